@@ -1,0 +1,95 @@
+"""The vision tower: uint8 pixels in, merged visual embeddings out.
+
+Loads only the vision weights of the checkpoint into the transformers vision
+class of its family. Normalisation and patchify run here, with the checkpoint's
+own image/video processor arithmetic, on the device the tower runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoImageProcessor, AutoVideoProcessor
+from transformers.initialization import no_init_weights
+
+from shared.checkpoint import ModelSpec, load_weights, vision_weight_name
+from shared.keys import Fingerprint, fingerprint
+from shared.torch_utils import resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One unit of encoding: an image, or one temporal patch of a video."""
+
+    modality: str  # "image" | "video"
+    pixels: torch.Tensor  # uint8 (frames, channels, height, width)
+
+
+def _vision_class(model_type: str) -> type:
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel
+
+
+class VisionTower:
+    def __init__(self, spec: ModelSpec, device: str = "auto", dtype: str = "auto"):
+        self.spec = spec
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        config = AutoConfig.from_pretrained(spec.path).vision_config
+        config._attn_implementation = "sdpa"
+        with no_init_weights():
+            model = _vision_class(spec.model_type)._from_config(config, dtype=self.dtype)
+        state = load_weights(spec.path, vision_weight_name)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"vision weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.model = model.to(self.device).eval()
+        self.image_processor = AutoImageProcessor.from_pretrained(spec.path)
+        self.video_processor = AutoVideoProcessor.from_pretrained(spec.path)
+        self.merge = config.spatial_merge_size
+        self.fingerprint: Fingerprint = fingerprint(
+            "vision", [("weights", spec.weights_fingerprint.hex()), ("dtype", str(self.dtype))]
+        )
+
+    def patches(self, chunk: Chunk) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Normalise and patchify one chunk exactly as the HF processor does."""
+        proc = self.image_processor if chunk.modality == "image" else self.video_processor
+        pixels = chunk.pixels.to(self.device)
+        # images: (1, C, H, W); video chunks: (1, T, C, H, W)
+        pixels = pixels[0][None] if chunk.modality == "image" else pixels[None]
+        normed = proc.rescale_and_normalize(
+            pixels, proc.do_rescale, proc.rescale_factor, proc.do_normalize, proc.image_mean, proc.image_std
+        )
+        out = proc.patchify(
+            normed,
+            patch_size=proc.patch_size,
+            merge_size=proc.merge_size,
+            temporal_patch_size=proc.temporal_patch_size,
+        )
+        flat, grid = out[0], out[1:]
+        grid_thw = (1, *grid) if len(grid) == 2 else tuple(grid)
+        return flat[0], grid_thw
+
+    @torch.inference_mode()
+    def encode(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """One forward over all chunks; returns (tokens, hidden) embeddings per chunk, on the CPU."""
+        prepared = [self.patches(c) for c in chunks]
+        pixel_values = torch.cat([p for p, _ in prepared]).to(self.dtype)
+        grid_thw = torch.tensor([g for _, g in prepared], dtype=torch.long, device=self.device)
+        merged = self.model(pixel_values, grid_thw=grid_thw).pooler_output
+        sizes = (grid_thw.prod(-1) // (self.merge * self.merge)).tolist()
+        return [e.to("cpu", copy=True) for e in torch.split(merged, sizes)]
+
+    def num_patches(self, chunk: Chunk) -> int:
+        _, _, h, w = chunk.pixels.shape
+        patch = self.image_processor.patch_size
+        return (h // patch) * (w // patch)

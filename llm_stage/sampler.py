@@ -1,0 +1,34 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-request seed."""
+
+from __future__ import annotations
+
+import torch
+
+from llm_stage.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """One token per row of ``logits`` (float32, (len(seqs), vocab))."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for row, seq, best in zip(logits, seqs, greedy, strict=True):
+        sp = seq.sampling
+        out.append(best if sp.greedy else _sample_row(row, sp.temperature, sp.top_k, sp.top_p, seq))
+    return out
+
+
+def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, seq: Sequence) -> int:
+    scaled = row / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if seq.generator is None and seq.sampling.seed is not None:
+        seq.generator = torch.Generator(device=probs.device).manual_seed(seq.sampling.seed)
+    return int(torch.multinomial(probs, 1, generator=seq.generator).item())

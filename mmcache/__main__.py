@@ -1,0 +1,3 @@
+from mmcache.cli import main
+
+main()

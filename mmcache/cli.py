@@ -1,0 +1,60 @@
+"""The ``mmcache`` command: thin dispatch to the stages, the launcher and the tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run all three stages on this machine")
+    from mmcache.launcher import add_serve_arguments
+
+    add_serve_arguments(serve)
+    for name, cls, text in (
+        ("processor", ProcessorConfig, "run the HTTP processor stage"),
+        ("encoder", EncoderConfig, "run the vision encoder stage"),
+        ("llm", LLMConfig, "run the language model stage"),
+    ):
+        add_arguments(sub.add_parser(name, help=text), cls)
+
+    tiny = sub.add_parser("make-tiny-model", help="generate the tiny test checkpoint offline")
+    tiny.add_argument("dir")
+    tiny.add_argument("--arch", default="qwen2-vl", choices=("qwen2-vl", "qwen2.5-vl"))
+
+    bench = sub.add_parser("bench", help="run the benchmarks and print their ratios")
+    bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from mmcache.launcher import serve
+
+        sys.exit(serve(args))
+    elif args.command == "processor":
+        from processor.app import run
+
+        run(from_args(ProcessorConfig, args))
+    elif args.command == "encoder":
+        from encoder_stage.service import run
+
+        run(from_args(EncoderConfig, args))
+    elif args.command == "llm":
+        from llm_stage.service import run
+
+        run(from_args(LLMConfig, args))
+    elif args.command == "make-tiny-model":
+        from mmcache.tiny_model import make_tiny_model
+
+        print(make_tiny_model(args.dir, args.arch))
+    elif args.command == "bench":
+        from mmcache.bench import run_benchmarks
+
+        sys.exit(run_benchmarks(args.names))

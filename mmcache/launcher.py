@@ -1,0 +1,108 @@
+"""``mmcache serve``: the three stages as separate processes on one machine, over ipc sockets.
+
+The launcher owns its children: they die with it (PR_SET_PDEATHSIG), a child
+that exits early stops the rest, and SIGINT/SIGTERM stop all of them
+(SIGTERM, then SIGKILL after a grace period). Nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args, to_flags
+
+log = logging.getLogger("mmcache.serve")
+
+_ADDRESS_FIELDS = {"bind", "encoder", "llm"}
+GRACE_SECONDS = 10.0
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    for cls in (ProcessorConfig, EncoderConfig, LLMConfig):
+        add_arguments(parser, cls, skip=_ADDRESS_FIELDS)
+
+
+def default_model_dir() -> Path:
+    home = Path(os.environ.get("MMCACHE_HOME", Path.home() / ".cache" / "mmcache"))
+    return home / "tiny-qwen2-vl"
+
+
+def ensure_default_model() -> Path:
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        from mmcache.tiny_model import make_tiny_model
+
+        log.info("generating the default tiny checkpoint in %s", path)
+        make_tiny_model(path)
+    return path
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=os.environ.get("MMCACHE_LOG_LEVEL", "INFO"), format="%(asctime)s serve %(message)s"
+    )
+    model = args.model or os.environ.get("MMCACHE_MODEL") or str(ensure_default_model())
+    rundir = Path(tempfile.mkdtemp(prefix="mmcache-"))
+    enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
+    configs = {
+        "encoder": from_args(EncoderConfig, args, model=model, bind=enc_addr),
+        "llm": from_args(LLMConfig, args, model=model, bind=llm_addr),
+        "processor": from_args(ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr),
+    }
+    children: dict[str, subprocess.Popen] = {}
+    stop = {"signal": 0}
+
+    def on_signal(signum, _frame) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name, cfg in configs.items():
+            cmd = [sys.executable, "-m", "mmcache", name, *to_flags(cfg)]
+            children[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        log.info(
+            "mmcache serving %s on http://%s:%d (pids %s)",
+            model,
+            configs["processor"].host,
+            configs["processor"].port,
+            {n: p.pid for n, p in children.items()},
+        )
+        while not stop["signal"]:
+            for name, proc in children.items():
+                if proc.poll() is not None:
+                    log.error("%s exited with code %s; stopping", name, proc.returncode)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop_all(children)
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _stop_all(children: dict[str, subprocess.Popen]) -> None:
+    for proc in children.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP API (aiohttp)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+
+import zmq.asyncio
+from aiohttp import web
+
+from processor.detokenizer import Detokenizer
+from processor.errors import APIError, bad_request, error_body, error_middleware
+from processor.http_fetch import HttpFetcher, parse_networks
+from processor.media_source import MediaSource
+from processor.pipeline import Pipeline, Prepared
+from processor.preprocess import Preprocessor
+from processor.prompt import PromptBuilder
+from processor.request import ChatRequest, parse_chat_request
+from processor.stages import StageClients
+from shared.checkpoint import ModelSpec
+from shared.config import ProcessorConfig, split_list
+
+log = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("config", ProcessorConfig)
+PIPELINE = web.AppKey("pipeline", Pipeline)
+STAGES = web.AppKey("stages", StageClients)
+MODEL_NAME = web.AppKey("model_name", str)
+
+
+def init(cfg: ProcessorConfig) -> web.Application:
+    """Build the app; stage clients and the media fetcher live as long as the app (cleanup_ctx)."""
+    spec = ModelSpec.load(cfg.model)
+    app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[error_middleware])
+    app[CONFIG] = cfg
+    app[MODEL_NAME] = cfg.served_model_name or spec.name
+    pre = Preprocessor(cfg.model, cfg.video_fps, cfg.max_video_frames)
+    prompts = PromptBuilder(spec)
+
+    async def resources(app: web.Application):
+        ctx = zmq.asyncio.Context()
+        stages = StageClients(ctx, split_list(cfg.encoder), split_list(cfg.llm))
+        http = HttpFetcher(
+            parse_networks(split_list(cfg.allowed_media_networks)),
+            cfg.max_media_bytes,
+            cfg.media_fetch_timeout,
+            cfg.max_media_redirects,
+        )
+        source = MediaSource(cfg.allowed_dirs, cfg.max_media_bytes, http)
+        app[STAGES] = stages
+        app[PIPELINE] = Pipeline(cfg, stages, source, pre, prompts)
+        yield
+        app[PIPELINE].close()
+        await http.close()
+        stages.close()
+        ctx.destroy(linger=0)
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[MODEL_NAME]
+    card = {"id": name, "object": "model", "created": 0, "owned_by": "mmcache"}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    encoders, llms = await request.app[STAGES].health()
+    stages = [*(("encoder", h) for h in encoders), *(("llm", h) for h in llms)]
+    ok = all(h.pong is not None for _, h in stages)
+    body = {
+        "status": "ok" if ok else "unavailable",
+        "stages": [
+            {
+                "stage": kind,
+                "address": h.address,
+                "ok": h.pong is not None,
+                "error": h.error,
+                "load": h.pong.load if h.pong else None,
+            }
+            for kind, h in stages
+        ],
+    }
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
+    req = parse_chat_request(body)
+    if req.model != request.app[MODEL_NAME]:
+        raise APIError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {request.app[MODEL_NAME]!r}",
+            "model_not_found",
+            "model",
+        )
+    pipeline = request.app[PIPELINE]
+    prepared = await pipeline.prepare(req)
+    detok = Detokenizer(pipeline.prompts.tokenizer, req.stop)
+    completion = _Completion(request.app[MODEL_NAME], req, prepared)
+    if req.stream:
+        return await _stream(request, pipeline, prepared, detok, completion)
+    async with contextlib.aclosing(pipeline.generate(prepared)) as generation:
+        async for chunk in generation:
+            completion.update(chunk)
+            detok.add(chunk.token_ids)
+            if detok.stopped:
+                completion.finish_reason = "stop"
+                break
+    return web.json_response(completion.body(detok.flush(), detok.token_ids))
+
+
+async def _stream(
+    request, pipeline: Pipeline, prepared: Prepared, detok: Detokenizer, completion: _Completion
+) -> web.StreamResponse:
+    generation = pipeline.generate(prepared)
+    # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.
+    first = await anext(generation, None)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    await _sse(resp, completion.chunk({"role": "assistant", "content": ""}))
+    try:
+        chunk = first
+        while chunk is not None:
+            completion.update(chunk)
+            detok.add(chunk.token_ids)
+            if detok.stopped:
+                completion.finish_reason = "stop"
+            text = detok.flush() if completion.finish_reason else detok.safe_delta()
+            if text:
+                await _sse(resp, completion.chunk({"content": text}))
+            if completion.finish_reason:
+                break
+            chunk = await anext(generation, None)
+        await _sse(resp, completion.chunk({}, finish=True))
+        if completion.req.include_usage:
+            await _sse(resp, completion.usage_chunk())
+    except APIError as exc:
+        await _sse(resp, error_body(exc.status, exc.message, exc.code))
+    finally:
+        await generation.aclose()
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _sse(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+class _Completion:
+    """Accumulates one completion's state and renders OpenAI response shapes."""
+
+    def __init__(self, model: str, req: ChatRequest, prepared: Prepared):
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.req = req
+        self.prepared = prepared
+        self.num_prompt_tokens = len(prepared.token_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+
+    def update(self, chunk) -> None:
+        self.num_output_tokens += len(chunk.token_ids)
+        self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_output_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "mm_cache": self.prepared.report.as_dict(),
+        }
+
+    def body(self, text: str, token_ids: list[int]) -> dict:
+        choice: dict = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": self.finish_reason or "stop",
+            "logprobs": None,
+        }
+        out = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = token_ids
+            out["prompt_token_ids"] = self.prepared.token_ids
+        return out
+
+    def chunk(self, delta: dict, finish: bool = False) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "finish_reason": (self.finish_reason or "stop") if finish else None,
+                    "logprobs": None,
+                }
+            ],
+        }
+
+    def usage_chunk(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
+
+
+def run(cfg: ProcessorConfig) -> None:
+    from shared.service import setup_logging
+
+    setup_logging("processor")
+    web.run_app(
+        init(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None, access_log=None
+    )

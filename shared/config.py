@@ -1,0 +1,183 @@
+"""Stage configuration: frozen dataclasses built from CLI flags and ``MMCACHE_*`` variables.
+
+Each field becomes ``--field-name`` and ``MMCACHE_FIELD_NAME``; a flag beats the
+variable, the variable beats the default. Validation lives in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+_C = TypeVar("_C")
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field with its ``--help`` text."""
+    return field(default=default, metadata={"help": help})
+
+
+def env_name(name: str) -> str:
+    return "MMCACHE_" + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse(kind: type, raw: str, name: str) -> Any:
+    if kind is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{env_name(name)}={raw!r} is not a boolean")
+    return kind(raw)
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+    """Add one flag per field of ``cls`` (defaults stay ``None`` so we can tell what was given)."""
+    hints = typing.get_type_hints(cls)
+    existing = {a.dest for a in parser._actions}
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name in existing:
+            continue
+        kind = hints[f.name]
+        text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {f.default!r}]"
+        if kind is bool:
+            parser.add_argument(flag_name(f.name), dest=f.name, action="store_const", const=True, help=text)
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, type=kind, default=None, help=text)
+
+
+def from_args(cls: type[_C], ns: argparse.Namespace | None = None, **overrides: Any) -> _C:
+    """Build ``cls`` from parsed flags, then environment, then defaults."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        given = getattr(ns, f.name, None) if ns is not None else None
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif given is not None:
+            values[f.name] = given
+        elif (raw := os.environ.get(env_name(f.name))) is not None:
+            values[f.name] = _parse(hints[f.name], raw, f.name)
+    return cls(**values)
+
+
+def to_flags(cfg: Any) -> list[str]:
+    """Inverse of :func:`from_args` for non-default fields (used to launch child stages)."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value == f.default:
+            continue
+        if isinstance(value, bool):
+            if value:
+                out.append(flag_name(f.name))
+        else:
+            out += [flag_name(f.name), str(value)]
+    return out
+
+
+def split_list(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{flag_name(name)} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    model: str = opt("", "checkpoint directory (Hugging Face format)")
+    bind: str = opt("tcp://0.0.0.0:5556", "ZeroMQ address the encoder binds")
+    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
+    dtype: str = opt("auto", "weights dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    max_batch_tokens: int = opt(
+        16384, "most patches in one vision forward (chunks of several requests batch)"
+    )
+    no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+
+    def __post_init__(self) -> None:
+        _positive("max_batch_tokens", self.max_batch_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class LLMConfig:
+    model: str = opt("", "checkpoint directory (Hugging Face format)")
+    bind: str = opt("tcp://0.0.0.0:5557", "ZeroMQ address the LLM stage binds")
+    device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
+    dtype: str = opt("auto", "weights dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    max_model_len: int = opt(0, "longest prompt + output in tokens (0 = the model's max_position_embeddings)")
+    max_num_seqs: int = opt(64, "most sequences decoded together")
+    max_num_batched_tokens: int = opt(2048, "most tokens in one engine step (longer prefills are chunked)")
+    kv_cache_gb: float = opt(0.5, "memory for the paged KV cache, GiB")
+    block_size: int = opt(16, "tokens per KV block (and per prefix-cache hash)")
+    num_kv_blocks: int = opt(0, "KV blocks in the pool (0 = as many as --kv-cache-gb holds)")
+    max_queue: int = opt(1024, "most requests waiting; more are refused with 503")
+    no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+    no_prefix_cache: bool = opt(False, "disable the KV prefix cache only")
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gb", "block_size", "max_queue"):
+            _positive(name, getattr(self, name))
+        _positive("max_model_len", self.max_model_len, allow_zero=True)
+        _positive("num_kv_blocks", self.num_kv_blocks, allow_zero=True)
+
+    @property
+    def prefix_cache(self) -> bool:
+        return not (self.no_cache or self.no_prefix_cache)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorConfig:
+    model: str = opt("", "checkpoint directory (Hugging Face format)")
+    host: str = opt("0.0.0.0", "HTTP listen host")
+    port: int = opt(8000, "HTTP listen port")
+    encoder: str = opt("tcp://127.0.0.1:5556", "encoder stage address(es), comma separated")
+    llm: str = opt("tcp://127.0.0.1:5557", "LLM stage address(es), comma separated")
+    served_model_name: str = opt("", "model name in the API (default: the checkpoint directory's name)")
+    allowed_local_media_path: str = opt("", "directories file:// URLs may read, comma separated (none)")
+    allowed_media_networks: str = opt(
+        "", "networks (CIDR, comma separated) http(s) media may come from despite being non-public"
+    )
+    media_fetch_timeout: float = opt(10.0, "seconds to fetch one http(s) media item")
+    max_media_redirects: int = opt(3, "most redirects followed for one http(s) media item")
+    video_fps: float = opt(2.0, "video frames sampled per second, from t=0")
+    max_video_frames: int = opt(64, "most frames sampled from one video")
+    max_video_seconds: float = opt(600.0, "longest video accepted, in seconds")
+    max_image_pixels: int = opt(40_000_000, "largest decoded image (width*height); larger is refused")
+    max_media_bytes: int = opt(64 << 20, "largest encoded media item in bytes")
+    max_media_items: int = opt(16, "most images and videos in one request")
+    max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
+    stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
+    no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+
+    def __post_init__(self) -> None:
+        for name in (
+            "port",
+            "media_fetch_timeout",
+            "video_fps",
+            "max_video_frames",
+            "max_video_seconds",
+            "max_image_pixels",
+            "max_media_bytes",
+            "max_media_items",
+            "max_request_bytes",
+            "stage_timeout",
+        ):
+            _positive(name, getattr(self, name))
+        _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
+        if not split_list(self.encoder) or not split_list(self.llm):
+            raise ValueError("--encoder and --llm need at least one address each")
+
+    @property
+    def allowed_dirs(self) -> list[str]:
+        return [os.path.realpath(p) for p in split_list(self.allowed_local_media_path)]

@@ -1,0 +1,143 @@
+"""Typed messages between the stages (versioned by ``wire.PROTOCOL_VERSION``).
+
+One section per link: processor→encoder, processor→llm, and the control
+messages every stage answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.wire import message
+
+# --- control (every stage) ---------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Ping:
+    pass
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Pong:
+    stage: str
+    model: str
+    fingerprint: bytes
+    load: int = 0  # requests queued or running
+    info: dict = field(default_factory=dict)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A request failed; ``code`` is machine readable, ``status`` the HTTP status to surface."""
+
+    code: str
+    message: str
+    status: int = 500
+
+
+# --- processor → encoder -----------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class EncodeItem:
+    """One chunk of pixels: an image (1 frame) or one temporal patch of a video.
+
+    ``pixels`` are resized uint8, shaped (frames, channels, height, width); the
+    encoder normalises and patchifies them.
+    """
+
+    key: bytes
+    modality: str  # "image" | "video"
+    pixels: torch.Tensor
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class EncodeRequest:
+    items: list[EncodeItem]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class EncodeReply:
+    embeddings: list[torch.Tensor]  # one (tokens, hidden) tensor per item, in order
+
+
+# --- processor → llm ---------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class MediaSpan:
+    """Where one image or video sits in the prompt.
+
+    The item's placeholder tokens are ``[offset, offset + num_tokens)``; chunk ``i``
+    covers ``tokens_per_chunk`` of them starting at ``offset + i * tokens_per_chunk``.
+    """
+
+    offset: int
+    modality: str  # "image" | "video"
+    grid_thw: tuple[int, int, int]  # in patches, before the spatial merge
+    chunk_keys: list[bytes]
+    seconds_per_chunk: float = 1.0  # temporal_patch_size / sampling fps (video only)
+    merge_size: int = 2
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.chunk_keys) * self.tokens_per_chunk
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.grid_thw[1] * self.grid_thw[2] // (self.merge_size * self.merge_size)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    prompt_token_ids: torch.Tensor  # int32, (num_tokens,)
+    spans: list[MediaSpan]
+    embeddings: list[torch.Tensor]  # one per chunk, spans in order, chunks in order
+    sampling: SamplingParams
+    salt: str | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """Streamed reply: new tokens; the last one carries ``finish_reason``."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop a running generation (client went away, stop string matched)."""
+
+    request_id: int

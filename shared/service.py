@@ -1,0 +1,51 @@
+"""Run one stage process: a ROUTER server until SIGINT/SIGTERM, one zmq context per process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+import zmq.asyncio
+
+from shared.rpc import Handler, RpcServer
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(stage: str) -> None:
+    level = os.environ.get("MMCACHE_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s {stage} %(levelname)s %(name)s: %(message)s")
+
+
+async def serve(
+    name: str,
+    bind: str,
+    make_handler: Callable[[zmq.asyncio.Context], Awaitable[tuple[Handler, Callable[[], None]]]],
+) -> None:
+    """Bind ``bind``, answer requests with the handler from ``make_handler`` until a signal arrives.
+
+    ``make_handler`` returns the request handler and a close function for its resources.
+    """
+    ctx = zmq.asyncio.Context()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    handler, close = await make_handler(ctx)
+    server = RpcServer(ctx, bind, handler, name)
+    log.info("%s ready on %s (pid %d)", name, server.address, os.getpid())
+    serving = loop.create_task(server.serve_forever())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("%s stopping", name)
+    for task in (serving, stopping):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    server.close()
+    close()
+    ctx.destroy(linger=0)

@@ -1,0 +1,141 @@
+"""Wire format: ``[type name, msgpack header, *raw buffers]``.
+
+Messages are dataclasses registered with :func:`message`. Tensors inside a
+message travel as ``{"__t__": [dtype, shape, frame index]}`` in the header and
+their bytes as a separate frame, handed to ZeroMQ without a copy. Nested
+registered dataclasses travel as ``{"__dc__": name, ...fields}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+
+_REGISTRY: dict[str, type] = {}
+_T = TypeVar("_T")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A frame sequence that is not a valid message of this protocol version."""
+
+
+def message(cls: type[_T]) -> type[_T]:
+    """Register a dataclass so it can be sent and received by name."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} must be a dataclass")
+    name = cls.__name__
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise TypeError(f"duplicate wire type {name}")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def encode(msg: Any, envelope: dict[str, Any] | None = None) -> list[Any]:
+    """Serialize a registered message into ZeroMQ frames (tensor bytes are not copied)."""
+    name = type(msg).__name__
+    if _REGISTRY.get(name) is not type(msg):
+        raise TypeError(f"{name} is not a registered wire message")
+    buffers: list[Any] = []
+
+    def default(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return _tensor_ref(obj, buffers)
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            out["__dc__"] = type(obj).__name__
+            return out
+        if isinstance(obj, tuple):
+            return list(obj)
+        raise TypeError(f"cannot serialize {type(obj).__name__}")
+
+    header = {"v": PROTOCOL_VERSION, "env": envelope or {}, "body": msg}
+    packed = msgpack.packb(header, default=default, use_bin_type=True)
+    return [name.encode(), packed, *buffers]
+
+
+def decode(frames: list[Any]) -> tuple[Any, dict[str, Any]]:
+    """Inverse of :func:`encode`. ``frames`` may be bytes or ``zmq.Frame`` objects.
+
+    Returns:
+        The message and its envelope (request id and flags).
+    """
+    if len(frames) < 2:
+        raise WireError("message needs at least a type and a header frame")
+    raw = [_buffer(f) for f in frames]
+    name = bytes(raw[0]).decode(errors="replace")
+    if name not in _REGISTRY:
+        raise WireError(f"unknown message type {name!r}")
+
+    def hook(obj: dict) -> Any:
+        if "__t__" in obj:
+            return _tensor_from(obj["__t__"], raw)
+        if "__dc__" in obj:
+            cls = _REGISTRY.get(obj.pop("__dc__"))
+            if cls is None:
+                raise WireError("unknown nested type")
+            return cls(**obj)
+        return obj
+
+    try:
+        header = msgpack.unpackb(raw[1], object_hook=hook, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise WireError(f"bad header for {name}: {exc}") from exc
+    if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
+        raise WireError(f"protocol version mismatch (want {PROTOCOL_VERSION})")
+    body = header["body"]
+    if type(body) is not _REGISTRY[name]:
+        raise WireError(f"header body is not a {name}")
+    return body, header.get("env", {})
+
+
+def _buffer(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)
+    return buf if buf is not None else memoryview(frame)
+
+
+def _tensor_ref(t: torch.Tensor, buffers: list[Any]) -> dict[str, Any]:
+    dtype = _DTYPE_NAMES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"unsupported tensor dtype {t.dtype}")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    shape = list(t.shape)
+    # NOTE: numpy has no bfloat16; a uint8 view keeps the frame zero-copy for every dtype.
+    data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    buffers.append(data)
+    return {"__t__": [dtype, shape, len(buffers) + 1]}
+
+
+def _tensor_from(ref: list[Any], raw: list[memoryview]) -> torch.Tensor:
+    dtype_name, shape, index = ref
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None or not isinstance(index, int) or not 2 <= index < len(raw):
+        raise WireError("bad tensor reference")
+    buf = raw[index]
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(buf) != numel * itemsize:
+        raise WireError(f"tensor frame has {len(buf)} bytes, shape {shape} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
