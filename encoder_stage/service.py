@@ -1,4 +1,4 @@
-"""The encoder stage process: answers encode requests over ZeroMQ."""
+"""The encoder stage process: lookup, encode (cached, single flight, batched) and fetch over ZeroMQ."""
 
 from __future__ import annotations
 
@@ -10,10 +10,24 @@ import torch
 import zmq.asyncio
 
 from encoder_stage.batcher import Batcher
+from encoder_stage.embedding_cache import EmbeddingCache
 from encoder_stage.vision import Chunk, VisionTower
 from shared.checkpoint import ModelSpec
 from shared.config import EncoderConfig
-from shared.messages import EncodeItem, EncodeReply, EncodeRequest, ErrorReply, Ping, Pong
+from shared.keys import ChunkKey, embed_key
+from shared.messages import (
+    EncodeItem,
+    EncodeReply,
+    EncodeRequest,
+    ErrorReply,
+    FetchReply,
+    FetchRequest,
+    LookupReply,
+    LookupRequest,
+    Ping,
+    Pong,
+    ReleaseHandoff,
+)
 from shared.rpc import Responder
 from shared.service import serve, setup_logging
 
@@ -25,9 +39,23 @@ class EncoderService:
         self.cfg = cfg
         self.tower = tower
         self.batcher = Batcher(tower, cfg.max_batch_tokens)
+        self.cache = EmbeddingCache(cfg.cache_bytes, cfg.handoff_ttl)
+        self._inflight: dict[bytes, asyncio.Task[torch.Tensor]] = {}
+        self.num_fetches = 0
+
+    def key(self, chunk: bytes) -> bytes:
+        return embed_key(ChunkKey(chunk), self.tower.fingerprint)
 
     async def handle(self, msg: Any, reply: Responder) -> None:
-        if isinstance(msg, EncodeRequest):
+        if isinstance(msg, FetchRequest):
+            await self._fetch(msg, reply)
+        elif isinstance(msg, LookupRequest):
+            missing = [k for k in msg.keys if not self._lookup(self.key(k), msg.handoff)]
+            await reply.send(LookupReply(missing))
+        elif isinstance(msg, ReleaseHandoff):
+            for k in msg.keys:
+                self.cache.release(self.key(k))
+        elif isinstance(msg, EncodeRequest):
             await self._encode(msg, reply)
         elif isinstance(msg, Ping):
             await reply.send(self.pong())
@@ -35,23 +63,75 @@ class EncoderService:
             await reply.send(ErrorReply("bad_message", f"encoder does not handle {type(msg).__name__}", 400))
 
     def pong(self) -> Pong:
-        stats = self.batcher.stats
-        return Pong(
-            stage="encoder",
-            model=self.tower.spec.name,
-            fingerprint=self.tower.fingerprint,
-            load=self.batcher.queued,
-            info={"forwards": stats.forwards, "chunks_encoded": stats.chunks, "patches": stats.patches},
-        )
+        stats, cache = self.batcher.stats, self.cache
+        info = {
+            "forwards": stats.forwards,
+            "chunks_encoded": stats.chunks,
+            "patches": stats.patches,
+            "cache_hits": cache.stats.hits,
+            "cache_misses": cache.stats.misses,
+            "cache_evictions": cache.stats.evictions,
+            "cache_entries": len(cache),
+            "cache_bytes": cache.nbytes,
+            "cache_capacity_bytes": cache.capacity,
+            "fetches": self.num_fetches,
+        }
+        return Pong("encoder", self.tower.spec.name, self.tower.fingerprint, self.batcher.queued, info)
+
+    def _lookup(self, key: bytes, handoff: bool) -> bool:
+        """Present? (then pinned for hand-off if asked). A key still being computed counts as
+        missing: the encode that follows joins that forward and takes its own pin."""
+        return self.cache.lookup(key) and self.cache.touch(key, handoff)
 
     async def _encode(self, msg: EncodeRequest, reply: Responder) -> None:
         for item in msg.items:
             if problem := self.check(item):
                 await reply.send(ErrorReply("bad_pixels", problem, 400))
                 return
-        chunks = [Chunk(item.modality, item.pixels) for item in msg.items]
-        embeddings = await asyncio.gather(*(self.batcher.encode(c) for c in chunks))
-        await reply.send(EncodeReply(list(embeddings)))
+        results = await asyncio.gather(*(self._encode_one(item, msg.handoff) for item in msg.items))
+        encoded = sum(results)
+        await reply.send(EncodeReply(num_encoded=encoded, num_reused=len(results) - encoded))
+
+    async def _encode_one(self, item: EncodeItem, handoff: bool) -> bool:
+        """Make sure ``item`` is cached (pinned for hand-off if asked); True if this call ran its forward."""
+        key = self.key(item.key)
+        if self.cache.touch(key, handoff):
+            return False
+        task = self._inflight.get(key)
+        owner = task is None
+        if task is None:  # single flight: concurrent requests for one key share this forward
+            task = asyncio.get_running_loop().create_task(self._compute(key, item))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._inflight[key] = task
+        rows = await asyncio.shield(task)
+        if not self.cache.touch(key, handoff):
+            self.cache.put(key, rows, handoff)
+        return owner
+
+    async def _compute(self, key: bytes, item: EncodeItem) -> torch.Tensor:
+        try:
+            rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
+            self.cache.put(key, rows, handoff=False)
+            return rows
+        finally:
+            self._inflight.pop(key, None)
+
+    async def _fetch(self, msg: FetchRequest, reply: Responder) -> None:
+        key = self.key(msg.key)
+        rows = self.cache.read(key)
+        if rows is None:
+            await reply.send(ErrorReply("embedding_missing", msg.key.hex(), 404))
+            return
+        try:
+            if not 0 <= msg.start < msg.end <= rows.shape[0]:
+                await reply.send(
+                    ErrorReply("bad_rows", f"rows [{msg.start}, {msg.end}) of {rows.shape[0]}", 400)
+                )
+                return
+            self.num_fetches += 1
+            await reply.send(FetchReply(rows[msg.start : msg.end]))
+        finally:
+            self.cache.done(key, release_handoff=msg.release)
 
     def check(self, item: EncodeItem) -> str | None:
         """Reject pixels the tower cannot take, before they can fail a shared batch."""

@@ -70,15 +70,26 @@ class BlockManager:
         fresh = self.blocks_needed(total) - len(cached)
         return revived + fresh <= len(self.free)
 
-    def allocate(self, seq: Sequence, cached: list[int]) -> None:
-        """Admit ``seq`` with its cached prefix blocks (its new tokens get blocks via :meth:`grow`)."""
-        assert not seq.block_table
-        for block_id in cached:
+    def hold(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks (a probe's pin, or a request's prefix before admission)."""
+        for block_id in blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
+
+    def release(self, blocks: list[int]) -> None:
+        for block_id in reversed(blocks):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._to_free_queue(block)
+
+    def allocate(self, seq: Sequence, cached: list[int]) -> None:
+        """Admit ``seq`` with its cached prefix blocks (its new tokens get blocks via :meth:`grow`)."""
+        assert not seq.block_table
+        self.hold(cached)
+        seq.block_table.extend(cached)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens
 
@@ -91,6 +102,12 @@ class BlockManager:
         """Give ``seq`` blocks for its first ``num_tokens`` tokens."""
         while len(seq.block_table) < self.blocks_needed(num_tokens):
             seq.block_table.append(self._take_free())
+
+    def _to_free_queue(self, block: Block) -> None:
+        self.free[block.block_id] = None
+        if block.block_hash is None:
+            # NOTE: blocks without a hash are the cheapest to reuse: first in line.
+            self.free.move_to_end(block.block_id, last=False)
 
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)
@@ -121,16 +138,7 @@ class BlockManager:
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None or not self.enable_caching:
-                    # NOTE: uncached blocks are the cheapest to reuse: put them first in line.
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)
-                else:
-                    self.free[block_id] = None
+        self.release(seq.block_table)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0

@@ -1,13 +1,16 @@
 """The generation engine behind the LLM service: requests in, tokens out, one step at a time.
 
-The service calls :meth:`Engine.submit` and :meth:`Engine.cancel` from the event
-loop and :meth:`Engine.step` from one worker thread; the two meet only in the
-thread-safe inbox, drained at the start of each step.
+:meth:`Engine.step` runs in one worker thread; the service calls everything
+else from the event loop. Block-pool state is shared, so both sides take
+:attr:`Engine.lock` around it; the model forward itself runs unlocked.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -17,6 +20,7 @@ from llm_stage.sampler import sample
 from llm_stage.scheduler import Scheduler, StepOutput
 from llm_stage.sequence import Sequence
 from llm_stage.text_model import TextLM
+from shared.block_hash import BlockHash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
 from shared.torch_utils import resolve_device, resolve_dtype
@@ -32,16 +36,18 @@ class Engine:
         self.lm = TextLM(spec, self.device, self.dtype)
         per_block = KVCache.bytes_per_block(self.lm, cfg.block_size, self.dtype)
         num_blocks = cfg.num_kv_blocks or int(cfg.kv_cache_gb * (1 << 30)) // per_block
-        self.max_model_len = min(
-            cfg.max_model_len or spec.max_position_embeddings, num_blocks * cfg.block_size
-        )
-        if self.max_model_len < (cfg.max_model_len or spec.max_position_embeddings):
+        wanted_len = cfg.max_model_len or spec.max_position_embeddings
+        self.max_model_len = min(wanted_len, num_blocks * cfg.block_size)
+        if self.max_model_len < wanted_len:
             log.warning("KV pool holds %d blocks: max_model_len capped to %d", num_blocks, self.max_model_len)
         self.kv = KVCache(self.lm, num_blocks, cfg.block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.lm, self.kv)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.lock = threading.Lock()
         self._inbox: deque[Callable[[], StepOutput | None]] = deque()
+        self._probe_ids = itertools.count(1)
+        self._probes: dict[int, tuple[list[int], float]] = {}  # probe id → (held blocks, expiry)
         self.num_steps = 0
         log.info(
             "engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, prefix cache %s",
@@ -56,6 +62,49 @@ class Engine:
 
     # --- called from the event loop ------------------------------------------------
 
+    def probe(self, hashes: list[BlockHash], token_ids: list[int], ttl: float) -> tuple[int, int]:
+        """Cached prefix length (tokens) of a prompt; pins the matched blocks for ``ttl`` seconds.
+
+        Returns:
+            (cached tokens, probe id to pass on so the pin is released early; 0 if nothing pinned)
+        """
+        size = self.blocks.block_size
+        with self.lock:
+            self._expire_probes()
+            blocks = self.blocks.match_prefix(hashes[: (len(token_ids) - 1) // size], token_ids)
+            if not blocks:
+                return 0, 0
+            self.blocks.hold(blocks)
+            probe_id = next(self._probe_ids)
+            self._probes[probe_id] = (blocks, time.monotonic() + ttl)
+        return len(blocks) * size, probe_id
+
+    def release_probe(self, probe_id: int) -> None:
+        with self.lock:
+            held = self._probes.pop(probe_id, None)
+            if held is not None:
+                self.blocks.release(held[0])
+
+    def _expire_probes(self) -> None:
+        now = time.monotonic()
+        for probe_id in [p for p, (_, expiry) in self._probes.items() if expiry <= now]:
+            self.blocks.release(self._probes.pop(probe_id)[0])
+
+    def hold_prefix(self, seq: Sequence) -> int:
+        """Attach the cached prefix to ``seq`` before its media rows are fetched; returns its length."""
+        if not self.blocks.enable_caching:
+            return 0
+        size = self.blocks.block_size
+        with self.lock:
+            hashes = seq.update_block_hashes(size)[: (seq.num_tokens - 1) // size]
+            self.blocks.allocate(seq, self.blocks.match_prefix(hashes, seq.token_ids))
+        return seq.num_computed_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Release a sequence that was never submitted."""
+        with self.lock:
+            self.blocks.free_seq(seq)
+
     def submit(self, seq: Sequence) -> None:
         self._inbox.append(lambda: self.scheduler.add(seq))
 
@@ -65,6 +114,21 @@ class Engine:
             return None if seq is None else self.scheduler.output(seq, None)
 
         self._inbox.append(abort)
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End a sequence that is in no queue (parked) with an error."""
+
+        def fail() -> StepOutput:
+            seq.finish_reason = "error"
+            return self.scheduler.output(seq, None, message)
+
+        self._inbox.append(fail)
+
+    def take_starving(self) -> list[Sequence]:
+        """Sequences parked because their media rows must be fetched again."""
+        with self.lock:
+            out, self.scheduler.starving = self.scheduler.starving, []
+        return out
 
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
@@ -77,23 +141,27 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
-        while self._inbox:
-            out = self._inbox.popleft()()
-            if out is not None:
-                outputs.append(out)
-        batch = self.scheduler.schedule()
+        with self.lock:
+            self._expire_probes()
+            while self._inbox:
+                out = self._inbox.popleft()()
+                if out is not None:
+                    outputs.append(out)
+            batch = self.scheduler.schedule()
         if not batch:
             return outputs
         try:
             logits = self.runner.run(batch)
             ready = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
             tokens = sample(logits, ready)
-        except Exception:
+        except Exception as exc:
             log.exception("engine step failed; failing its %d sequences", len(batch))
-            for seq, _ in batch:
-                self.scheduler.abort(seq.seq_id)
-                seq.finish_reason = "error"
-                outputs.append(self.scheduler.output(seq, None))
+            with self.lock:
+                for seq, _ in batch:
+                    self.scheduler.abort(seq.seq_id)
+                    seq.finish_reason = "error"
+                    outputs.append(self.scheduler.output(seq, None, f"{type(exc).__name__}: {exc}"))
             return outputs
         self.num_steps += 1
-        return outputs + self.scheduler.postprocess(batch, tokens)
+        with self.lock:
+            return outputs + self.scheduler.postprocess(batch, tokens)

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum, auto
 
 from llm_stage.block_manager import BlockManager
 from llm_stage.sequence import SeqStatus, Sequence
+
+
+class _Admit(Enum):
+    RUN = auto()
+    NO_ROOM = auto()
+    PARK = auto()  # needs media rows again before it can resume
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +30,7 @@ class StepOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None
 
 
 class Scheduler:
@@ -32,6 +40,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.starving: list[Sequence] = []  # parked: the service re-fetches their media rows
         self.num_preemptions = 0
 
     def has_work(self) -> bool:
@@ -41,10 +50,11 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> Sequence | None:
-        for seq in self.waiting:
-            if seq.seq_id == seq_id:
-                self.waiting.remove(seq)
-                return self._finish(seq, "abort")
+        for queue in (self.waiting, self.starving):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    return self._finish(seq, "abort")
         for seq in self.running:
             if seq.seq_id == seq_id:
                 return self._finish(seq, "abort")
@@ -66,27 +76,45 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            size = self.blocks.block_size
-            cached: list[int] = []
-            if self.blocks.enable_caching:
-                # NOTE: at least the last token is always computed: its logits give the next token.
-                hashes = seq.update_block_hashes(size)[: (seq.num_tokens - 1) // size]
-                cached = self.blocks.match_prefix(hashes, seq.token_ids)
-            n = min(seq.num_tokens - len(cached) * size, budget)
-            if not self.blocks.can_allocate(seq, cached, n):
+            verdict = self._admit(seq, budget)
+            if verdict is _Admit.NO_ROOM:
                 break
             self.waiting.popleft()
-            first_admission = seq.num_preemptions == 0
-            self.blocks.allocate(seq, cached)
-            if first_admission:
-                self.blocks.stats.queries += seq.num_prompt_tokens
-                self.blocks.stats.hits += seq.num_cached_tokens
+            if verdict is _Admit.PARK:
+                self.starving.append(seq)
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.append((seq, n))
             budget -= n
         return batch
+
+    def _admit(self, seq: Sequence, budget: int) -> _Admit:
+        """Give ``seq`` its prefix blocks if the pool has room for them and its next chunk."""
+        size = self.blocks.block_size
+        if seq.block_table:  # the service already holds its cached prefix
+            if not self.blocks.can_grow(
+                seq, seq.num_computed_tokens + min(seq.num_uncomputed_tokens, budget)
+            ):
+                return _Admit.NO_ROOM
+        else:
+            cached: list[int] = []
+            if self.blocks.enable_caching:
+                # NOTE: at least the last token is always computed: its logits give the next token.
+                hashes = seq.update_block_hashes(size)[: (seq.num_tokens - 1) // size]
+                cached = self.blocks.match_prefix(hashes, seq.token_ids)
+            if len(cached) * size < seq.rows_floor:
+                # Resumed after preemption, but part of the prefix it never fetched rows for is gone.
+                return _Admit.PARK
+            if not self.blocks.can_allocate(seq, cached, min(seq.num_tokens - len(cached) * size, budget)):
+                return _Admit.NO_ROOM
+            self.blocks.allocate(seq, cached)
+        if seq.num_preemptions == 0:
+            self.blocks.stats.queries += seq.num_prompt_tokens
+            self.blocks.stats.hits += seq.num_cached_tokens
+        return _Admit.RUN
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: list[tuple[Sequence, int]]) -> bool:
         """Blocks for ``seq``'s first ``num_tokens``, preempting newer sequences if needed."""
@@ -128,12 +156,15 @@ class Scheduler:
             outputs.append(self.output(seq, token))
         return outputs
 
-    def output(self, seq: Sequence, token: int | None) -> StepOutput:
-        return StepOutput(seq.seq_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens)
+    def output(self, seq: Sequence, token: int | None, error: str | None = None) -> StepOutput:
+        return StepOutput(
+            seq.seq_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, error
+        )
 
     def _finish(self, seq: Sequence, reason: str) -> Sequence:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+        if seq.block_table:  # running, or waiting with a held prefix
             self.blocks.free_seq(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

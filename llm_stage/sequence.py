@@ -48,6 +48,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_committed_blocks: int = 0  # leading blocks whose hashes are published
     num_preemptions: int = 0
+    rows_floor: int = 0  # media rows are present for every media token at or after this index
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)

@@ -10,7 +10,7 @@ import torch
 
 from llm_stage.text_model import TextLM
 from shared.checkpoint import ModelSpec
-from shared.messages import GenerateRequest
+from shared.messages import GenerateRequest, MediaSpan, ProbeRequest
 
 
 class RequestError(ValueError):
@@ -20,18 +20,29 @@ class RequestError(ValueError):
 
 
 def validate(msg: GenerateRequest, spec: ModelSpec, lm: TextLM, max_model_len: int) -> None:
-    ids = msg.prompt_token_ids
-    if ids.dtype not in (torch.int32, torch.int64) or ids.ndim != 1 or ids.numel() == 0:
-        raise RequestError("bad_prompt", "prompt_token_ids must be a non-empty 1-D integer tensor")
-    if int(ids.min()) < 0 or int(ids.max()) >= lm.vocab_size:
-        raise RequestError("bad_prompt", f"token ids must lie in [0, {lm.vocab_size})")
-    if ids.numel() >= max_model_len:
+    _check_prompt(msg.prompt_token_ids, lm.vocab_size)
+    num_tokens = msg.prompt_token_ids.numel()
+    if num_tokens >= max_model_len:
         raise RequestError(
             "context_length_exceeded",
-            f"prompt has {ids.numel()} tokens; the model's context is {max_model_len} tokens",
+            f"prompt has {num_tokens} tokens; the model's context is {max_model_len} tokens",
         )
     _check_sampling(msg)
-    _check_spans(msg, spec, lm.config.hidden_size)
+    num_chunks = _check_spans(msg.prompt_token_ids, msg.spans, spec)
+    if len(msg.sources) != num_chunks or len(msg.handoff) != num_chunks:
+        raise RequestError("bad_spans", f"need one encoder source and hand-off flag per chunk ({num_chunks})")
+
+
+def validate_probe(msg: ProbeRequest, spec: ModelSpec, lm: TextLM) -> None:
+    _check_prompt(msg.prompt_token_ids, lm.vocab_size)
+    _check_spans(msg.prompt_token_ids, msg.spans, spec)
+
+
+def _check_prompt(ids: torch.Tensor, vocab_size: int) -> None:
+    if ids.dtype not in (torch.int32, torch.int64) or ids.ndim != 1 or ids.numel() == 0:
+        raise RequestError("bad_prompt", "prompt_token_ids must be a non-empty 1-D integer tensor")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise RequestError("bad_prompt", f"token ids must lie in [0, {vocab_size})")
 
 
 def _check_sampling(msg: GenerateRequest) -> None:
@@ -46,27 +57,29 @@ def _check_sampling(msg: GenerateRequest) -> None:
         raise RequestError("bad_sampling", "top_k must be >= 0")
 
 
-def _check_spans(msg: GenerateRequest, spec: ModelSpec, hidden: int) -> None:
-    ids = msg.prompt_token_ids
+def _check_spans(ids: torch.Tensor, spans: list[MediaSpan], spec: ModelSpec) -> int:
+    """Spans must cover their placeholder tokens without overlap; returns the number of chunks."""
     cursor = 0
-    embeddings = iter(msg.embeddings)
-    for span in sorted(msg.spans, key=lambda s: s.offset):
-        pad = spec.image_token_id if span.modality == "image" else spec.video_token_id
+    chunks = 0
+    for span in sorted(spans, key=lambda s: s.offset):
         if span.modality not in ("image", "video") or span.offset < cursor:
             raise RequestError("bad_spans", "media spans must be image/video and must not overlap")
+        t, h, w = span.grid_thw
+        if (
+            span.merge_size != spec.spatial_merge_size
+            or t != len(span.chunk_keys)
+            or h <= 0
+            or w <= 0
+            or h % span.merge_size
+            or w % span.merge_size
+        ):
+            raise RequestError("bad_spans", f"span at {span.offset} has an inconsistent grid {span.grid_thw}")
+        if any(len(k) != 16 for k in span.chunk_keys):
+            raise RequestError("bad_spans", "chunk keys are 16-byte digests")
+        pad = spec.image_token_id if span.modality == "image" else spec.video_token_id
         end = span.offset + span.num_tokens
         if span.num_tokens == 0 or end > ids.numel() or not bool((ids[span.offset : end] == pad).all()):
             raise RequestError("bad_spans", f"span at {span.offset} does not cover its placeholder tokens")
-        for _ in span.chunk_keys:
-            emb = next(embeddings, None)
-            if (
-                emb is None
-                or tuple(emb.shape) != (span.tokens_per_chunk, hidden)
-                or not emb.is_floating_point()
-            ):
-                raise RequestError(
-                    "bad_embeddings", f"embeddings for span at {span.offset} have the wrong shape"
-                )
         cursor = end
-    if next(embeddings, None) is not None:
-        raise RequestError("bad_embeddings", "more embeddings than media chunks")
+        chunks += len(span.chunk_keys)
+    return chunks

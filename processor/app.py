@@ -7,11 +7,13 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import zmq.asyncio
 from aiohttp import web
 
 from processor.detokenizer import Detokenizer
+from processor.dispatch import Dispatcher
 from processor.errors import APIError, bad_request, error_body, error_middleware
 from processor.http_fetch import HttpFetcher, parse_networks
 from processor.media_source import MediaSource
@@ -22,11 +24,13 @@ from processor.request import ChatRequest, parse_chat_request
 from processor.stages import StageClients
 from shared.checkpoint import ModelSpec
 from shared.config import ProcessorConfig, split_list
+from shared.messages import GenerateChunk
 
 log = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", ProcessorConfig)
 PIPELINE = web.AppKey("pipeline", Pipeline)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 STAGES = web.AppKey("stages", StageClients)
 MODEL_NAME = web.AppKey("model_name", str)
 
@@ -51,7 +55,8 @@ def init(cfg: ProcessorConfig) -> web.Application:
         )
         source = MediaSource(cfg.allowed_dirs, cfg.max_media_bytes, http)
         app[STAGES] = stages
-        app[PIPELINE] = Pipeline(cfg, stages, source, pre, prompts)
+        app[PIPELINE] = Pipeline(cfg, source, pre, prompts)
+        app[DISPATCHER] = Dispatcher(stages, cfg.stage_timeout)
         yield
         app[PIPELINE].close()
         await http.close()
@@ -62,6 +67,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -91,6 +97,32 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ok else 503)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: the processor's own counters, then each stage replica's (from its Pong)."""
+    cache = request.app[PIPELINE].cache
+    lines = [
+        f"mmcache_processor_cache_hits_total {cache.stats.hits}",
+        f"mmcache_processor_cache_misses_total {cache.stats.misses}",
+        f"mmcache_processor_decodes_total {cache.stats.decodes}",
+        f"mmcache_processor_cache_evictions_total {cache.stats.evictions}",
+        f"mmcache_processor_cache_bytes {cache.nbytes}",
+        f"mmcache_processor_cache_capacity_bytes {cache.capacity}",
+        f"mmcache_processor_cache_entries {len(cache)}",
+    ]
+    encoders, llms = await request.app[STAGES].health()
+    for stage, replicas in (("encoder", encoders), ("llm", llms)):
+        for h in replicas:
+            label = f'{{address="{h.address}"}}'
+            lines.append(f"mmcache_{stage}_up{label} {int(h.pong is not None)}")
+            if h.pong is None:
+                continue
+            lines.append(f"mmcache_{stage}_load{label} {h.pong.load}")
+            for name, value in sorted(h.pong.info.items()):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    lines.append(f"mmcache_{stage}_{name}{label} {value}")
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         body = await request.json(loads=json.loads)
@@ -108,9 +140,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prepared = await pipeline.prepare(req)
     detok = Detokenizer(pipeline.prompts.tokenizer, req.stop)
     completion = _Completion(request.app[MODEL_NAME], req, prepared)
+    generation = request.app[DISPATCHER].generate(prepared)
     if req.stream:
-        return await _stream(request, pipeline, prepared, detok, completion)
-    async with contextlib.aclosing(pipeline.generate(prepared)) as generation:
+        return await _stream(request, generation, detok, completion)
+    async with contextlib.aclosing(generation):
         async for chunk in generation:
             completion.update(chunk)
             detok.add(chunk.token_ids)
@@ -121,11 +154,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(
-    request, pipeline: Pipeline, prepared: Prepared, detok: Detokenizer, completion: _Completion
+    request: web.Request,
+    generation: AsyncIterator[GenerateChunk],
+    detok: Detokenizer,
+    completion: _Completion,
 ) -> web.StreamResponse:
-    generation = pipeline.generate(prepared)
     # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.
-    first = await anext(generation, None)
+    try:
+        first = await anext(generation, None)
+    except BaseException:
+        await generation.aclose()
+        raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await _sse(resp, completion.chunk({"role": "assistant", "content": ""}))

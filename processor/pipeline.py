@@ -1,36 +1,28 @@
-"""Orchestration of one chat request: media → prompt → encoder → LLM stream.
+"""The processor's own part of the lazy cascade: media bytes → layouts (cached) → prompt tokens.
 
-The processor does only what the caches cannot answer (design.md, the lazy
-cascade); each step here is one stage of that cascade.
+A media item costs a hash of its raw bytes and a cache lookup when seen
+before; only new media are decoded and resized (design.md, steps 1-3).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
-from processor.errors import APIError, bad_request
+from processor.errors import bad_request
+from processor.media_cache import MediaCache
 from processor.media_decode import DecodeLimits, decode_image, decode_video
 from processor.media_source import MediaSource
 from processor.preprocess import MediaLayout, Preprocessor
 from processor.prompt import PromptBuilder
 from processor.request import ChatRequest, MediaRef
-from processor.stages import StageClients
 from shared.config import ProcessorConfig
-from shared.messages import (
-    EncodeItem,
-    EncodeRequest,
-    GenerateChunk,
-    GenerateRequest,
-    MediaSpan,
-    SamplingParams,
-)
-from shared.rpc import RemoteError
+from shared.keys import media_key, uuid_media_key
+from shared.messages import MediaSpan, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,34 +43,53 @@ class CacheReport:
 
 @dataclass(slots=True)
 class Prepared:
+    """A request after the processor's own work: media laid out, prompt tokenised."""
+
+    req: ChatRequest
     token_ids: list[int]
     spans: list[MediaSpan]
     media: list[MediaLayout]
-    sampling: SamplingParams
     salt: str | None
     report: CacheReport = field(default_factory=CacheReport)
 
 
+def sampling_params(req: ChatRequest, prompt_len: int, context: int) -> SamplingParams:
+    """Sampling for the LLM stage; refuses prompts that do not fit the context."""
+    if prompt_len >= context:
+        raise bad_request(
+            f"prompt is {prompt_len} tokens (media included); the model's context is {context} tokens",
+            "context_length_exceeded",
+            "messages",
+        )
+    max_tokens = req.max_tokens if req.max_tokens is not None else context - prompt_len
+    if prompt_len + max_tokens > context:
+        raise bad_request(
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context}",
+            "context_length_exceeded",
+            "max_tokens",
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+    )
+
+
 class Pipeline:
-    def __init__(
-        self,
-        cfg: ProcessorConfig,
-        stages: StageClients,
-        source: MediaSource,
-        pre: Preprocessor,
-        prompts: PromptBuilder,
-    ):
+    def __init__(self, cfg: ProcessorConfig, source: MediaSource, pre: Preprocessor, prompts: PromptBuilder):
         self.cfg = cfg
-        self.stages = stages
         self.source = source
         self.pre = pre
         self.prompts = prompts
+        self.cache = MediaCache(cfg.processor_cache_bytes)
         self.limits = DecodeLimits(
             cfg.max_image_pixels, cfg.video_fps, cfg.max_video_frames, cfg.max_video_seconds
         )
-        self._media_pool = ThreadPoolExecutor(
-            max(2, min(8, (torch.get_num_threads() or 2))), thread_name_prefix="media"
-        )
+        self._media_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 2), thread_name_prefix="media")
 
     # --- preparation: everything before the model runs ------------------------------
 
@@ -90,100 +101,44 @@ class Pipeline:
                 "messages",
             )
         report = CacheReport()
-        media = list(await asyncio.gather(*(self._media(ref, req.cache_salt, report) for ref in req.media)))
+        # NOTE: --no-cache gives every request its own namespace, so no tier can share anything.
+        salt = secrets.token_hex(16) if self.cfg.no_cache else req.cache_salt
+        media = list(await asyncio.gather(*(self._media(ref, salt, report) for ref in req.media)))
         token_ids, spans = self.prompts.build(req.messages, media)
-        sampling = await self._sampling(req, len(token_ids))
-        return Prepared(token_ids, spans, media, sampling, req.cache_salt, report)
+        return Prepared(req, token_ids, spans, media, salt, report)
 
     async def _media(self, ref: MediaRef, salt: str | None, report: CacheReport) -> MediaLayout:
-        if ref.url is None:
-            raise bad_request(
-                f"{ref.param}: uuid {ref.uuid!r} has no data and no cache knows it", "unknown_uuid", ref.param
-            )
-        data = await self.source.fetch(ref.url, ref.param)
-        loop = asyncio.get_running_loop()
-        report.processor_misses += 1
-        return await loop.run_in_executor(self._media_pool, self._decode, ref, data, salt)
+        """Layout of one media item: a cache hit costs a hash of its bytes (or its uuid) and a lookup."""
+        fp = self.pre.fingerprint
+        data: bytes | None = None
+        if ref.uuid is not None:
+            key = uuid_media_key(salt, ref.modality, ref.uuid, fp)
+            if ref.url is None and self.cache.get(key) is None:
+                raise bad_request(
+                    f"{ref.param}: uuid {ref.uuid!r} comes without data and no cache knows it",
+                    "unknown_uuid",
+                    ref.param,
+                )
+        else:
+            data = await self.source.fetch(ref.url, ref.param)
+            key = media_key(salt, ref.modality, data, fp)
+
+        async def make() -> MediaLayout:
+            raw = data if data is not None else await self.source.fetch(ref.url, ref.param)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._media_pool, self._decode, ref, raw, salt)
+
+        layout, hit = await self.cache.get_or_make(key, make)
+        if hit:
+            report.processor_hits += 1
+        else:
+            report.processor_misses += 1
+        return layout
 
     def _decode(self, ref: MediaRef, data: bytes, salt: str | None) -> MediaLayout:
         if ref.modality == "image":
             return self.pre.image(decode_image(data, self.limits, ref.param), salt)
         return self.pre.video(decode_video(data, self.limits, ref.param), salt)
 
-    async def _sampling(self, req: ChatRequest, prompt_len: int) -> SamplingParams:
-        client = self.stages.llm()
-        try:
-            context = await self.stages.max_model_len(client, timeout=5.0)
-        except ConnectionError as exc:
-            raise APIError(503, str(exc), "stage_unavailable") from exc
-        if prompt_len >= context:
-            raise bad_request(
-                f"prompt is {prompt_len} tokens (media included); the model's context is {context} tokens",
-                "context_length_exceeded",
-                "messages",
-            )
-        max_tokens = req.max_tokens if req.max_tokens is not None else context - prompt_len
-        if prompt_len + max_tokens > context:
-            raise bad_request(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) "
-                f"exceeds the context of {context}",
-                "context_length_exceeded",
-                "max_tokens",
-            )
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-        )
-
-    # --- execution ---------------------------------------------------------------------
-
-    async def _encode(self, prepared: Prepared) -> list[torch.Tensor]:
-        items = [EncodeItem(c.key, m.modality, c.pixels) for m in prepared.media for c in m.chunks]
-        if not items:
-            return []
-        prepared.report.encoder_misses += len(items)
-        reply = await self._call(
-            self.stages.encoder().call(EncodeRequest(items), timeout=self.cfg.stage_timeout)
-        )
-        return reply.embeddings
-
-    async def generate(self, prepared: Prepared) -> AsyncIterator[GenerateChunk]:
-        """Stream the LLM stage's replies; leaving early aborts the generation."""
-        embeddings = await self._encode(prepared)
-        request = GenerateRequest(
-            prompt_token_ids=torch.tensor(prepared.token_ids, dtype=torch.int32),
-            spans=prepared.spans,
-            embeddings=embeddings,
-            sampling=prepared.sampling,
-            salt=prepared.salt,
-        )
-        try:
-            async with self.stages.llm().stream(request, timeout=self.cfg.stage_timeout) as replies:
-                async for chunk in replies:
-                    yield chunk
-        except RemoteError as exc:
-            raise _as_api_error(exc) from exc
-        except TimeoutError as exc:
-            raise APIError(504, "the LLM stage did not answer in time", "stage_timeout") from exc
-
-    async def _call(self, awaitable):
-        try:
-            return await awaitable
-        except RemoteError as exc:
-            raise _as_api_error(exc) from exc
-        except TimeoutError as exc:
-            raise APIError(504, "a stage did not answer in time", "stage_timeout") from exc
-
     def close(self) -> None:
         self._media_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _as_api_error(exc: RemoteError) -> APIError:
-    reply = exc.reply
-    status = reply.status if 400 <= reply.status < 600 else 500
-    return APIError(status, reply.message, reply.code)

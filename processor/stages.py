@@ -1,14 +1,14 @@
-"""Clients for the encoder and LLM stage replicas, and their health."""
+"""Clients for the encoder and LLM stage replicas: routing and health."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from dataclasses import dataclass
 
 import zmq.asyncio
 
-from shared.messages import Ping, Pong
+from shared.messages import Ping, Pong, ProbeReply, ProbeRequest, ReleaseProbe
+from shared.routing import rendezvous
 from shared.rpc import RpcClient
 
 
@@ -19,46 +19,52 @@ class Health:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The LLM replica chosen for a request, with what its probe found."""
+
+    client: RpcClient
+    probe: ProbeReply
+
+
 class StageClients:
     def __init__(self, ctx: zmq.asyncio.Context, encoders: list[str], llms: list[str]):
-        self.encoders = [RpcClient(ctx, a, "encoder") for a in encoders]
+        self.encoders = {a: RpcClient(ctx, a, "encoder") for a in encoders}
         self.llms = [RpcClient(ctx, a, "llm") for a in llms]
-        self._next_encoder = itertools.cycle(self.encoders)
-        self._next_llm = itertools.cycle(self.llms)
-        self.llm_info: dict[str, Pong] = {}
 
-    def encoder(self) -> RpcClient:
-        return next(self._next_encoder)
+    def encoder_for(self, chunk_key: bytes) -> str:
+        """The encoder replica that owns ``chunk_key`` (rendezvous hashing)."""
+        return rendezvous(chunk_key, list(self.encoders))
 
-    def llm(self) -> RpcClient:
-        return next(self._next_llm)
+    async def route(self, probe: ProbeRequest, timeout: float) -> Route:
+        """Probe every LLM replica; take the longest cached prefix, then the lightest load."""
+        replies = await asyncio.gather(
+            *(c.call(probe, timeout=timeout) for c in self.llms), return_exceptions=True
+        )
+        live = [(c, r) for c, r in zip(self.llms, replies, strict=True) if isinstance(r, ProbeReply)]
+        if not live:
+            errors = [r for r in replies if isinstance(r, BaseException)]
+            raise errors[0] if errors else ConnectionError("no LLM replica")
+        client, best = max(live, key=lambda cr: (cr[1].cached_tokens, -cr[1].load))
+        for other, reply in live:
+            if other is not client and reply.probe_id:
+                await other.notify(ReleaseProbe(reply.probe_id))
+        return Route(client, best)
 
     async def ping(self, client: RpcClient, timeout: float) -> Health:
         try:
-            pong = await client.call(Ping(), timeout=timeout)
+            return Health(client.address, await client.call(Ping(), timeout=timeout))
         except TimeoutError:
             return Health(client.address, None, "no answer")
         except Exception as exc:
             return Health(client.address, None, str(exc))
-        if client in self.llms:
-            self.llm_info[client.address] = pong
-        return Health(client.address, pong)
 
     async def health(self, timeout: float = 2.0) -> tuple[list[Health], list[Health]]:
-        enc = [self.ping(c, timeout) for c in self.encoders]
+        enc = [self.ping(c, timeout) for c in self.encoders.values()]
         llm = [self.ping(c, timeout) for c in self.llms]
         results = await asyncio.gather(*enc, *llm)
         return list(results[: len(enc)]), list(results[len(enc) :])
 
-    async def max_model_len(self, client: RpcClient, timeout: float) -> int:
-        pong = self.llm_info.get(client.address)
-        if pong is None:
-            health = await self.ping(client, timeout)
-            if health.pong is None:
-                raise ConnectionError(f"LLM stage {client.address} does not answer: {health.error}")
-            pong = health.pong
-        return int(pong.info["max_model_len"])
-
     def close(self) -> None:
-        for client in (*self.encoders, *self.llms):
+        for client in (*self.encoders.values(), *self.llms):
             client.close()

@@ -103,10 +103,18 @@ class EncoderConfig:
     max_batch_tokens: int = opt(
         16384, "most patches in one vision forward (chunks of several requests batch)"
     )
+    encoder_cache_gb: float = opt(2.0, "embedding cache size, GiB (0 disables)")
+    handoff_ttl: float = opt(60.0, "seconds an encoded chunk stays pinned waiting for its LLM fetch")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
     def __post_init__(self) -> None:
         _positive("max_batch_tokens", self.max_batch_tokens)
+        _positive("encoder_cache_gb", self.encoder_cache_gb, allow_zero=True)
+        _positive("handoff_ttl", self.handoff_ttl)
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0 if self.no_cache else int(self.encoder_cache_gb * (1 << 30))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +130,19 @@ class LLMConfig:
     block_size: int = opt(16, "tokens per KV block (and per prefix-cache hash)")
     num_kv_blocks: int = opt(0, "KV blocks in the pool (0 = as many as --kv-cache-gb holds)")
     max_queue: int = opt(1024, "most requests waiting; more are refused with 503")
+    fetch_timeout: float = opt(30.0, "seconds to wait for embedding rows from an encoder")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
     no_prefix_cache: bool = opt(False, "disable the KV prefix cache only")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_gb", "block_size", "max_queue"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_gb",
+            "block_size",
+            "max_queue",
+            "fetch_timeout",
+        ):
             _positive(name, getattr(self, name))
         _positive("max_model_len", self.max_model_len, allow_zero=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_zero=True)
@@ -158,6 +174,7 @@ class ProcessorConfig:
     max_media_items: int = opt(16, "most images and videos in one request")
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
+    processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
     def __post_init__(self) -> None:
@@ -177,6 +194,16 @@ class ProcessorConfig:
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
         if not split_list(self.encoder) or not split_list(self.llm):
             raise ValueError("--encoder and --llm need at least one address each")
+
+    @property
+    def processor_cache_bytes(self) -> int:
+        """Auto: a tenth of physical memory, at most 8 GiB."""
+        if self.no_cache:
+            return 0
+        if self.processor_cache_gb >= 0:
+            return int(self.processor_cache_gb * (1 << 30))
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(ram // 10, 8 << 30)
 
     @property
     def allowed_dirs(self) -> list[str]:

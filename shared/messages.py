@@ -53,21 +53,72 @@ class EncodeItem:
     encoder normalises and patchifies them.
     """
 
-    key: bytes
+    key: bytes  # chunk_key
     modality: str  # "image" | "video"
     pixels: torch.Tensor
 
 
 @message
 @dataclass(frozen=True, slots=True)
+class LookupRequest:
+    """Which of these chunk keys does the encoder lack?
+
+    With ``handoff`` the keys it has are pinned until the request's LLM stage fetches them.
+    """
+
+    keys: list[bytes]
+    handoff: bool = True
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    missing: list[bytes]
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class EncodeRequest:
+    """Compute and keep the embeddings of these chunks.
+
+    With ``handoff`` each entry stays pinned until one fetch with ``release``
+    (or a timeout): the request's LLM stage is about to pull it.
+    """
+
     items: list[EncodeItem]
+    handoff: bool = True
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class EncodeReply:
-    embeddings: list[torch.Tensor]  # one (tokens, hidden) tensor per item, in order
+    num_encoded: int  # chunks this request's forwards computed
+    num_reused: int  # chunks already cached or computed by a concurrent request
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FetchRequest:
+    """Embedding rows ``[start, end)`` of one chunk (LLM stage → encoder)."""
+
+    key: bytes  # chunk_key
+    start: int
+    end: int
+    release: bool = False  # drop this request's hand-off pin after the read
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class FetchReply:
+    rows: torch.Tensor  # (end - start, hidden)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ReleaseHandoff:
+    """The LLM stage will not fetch these chunks after all (its cached prefix covers them)."""
+
+    keys: list[bytes]
 
 
 # --- processor → llm ---------------------------------------------------------
@@ -116,12 +167,40 @@ class SamplingParams:
 
 @message
 @dataclass(frozen=True, slots=True)
+class ProbeRequest:
+    """How much of this prompt does the replica have cached? Pins the matched blocks for ``ttl``."""
+
+    prompt_token_ids: torch.Tensor  # int32
+    spans: list[MediaSpan]
+    salt: str | None = None
+    ttl: float = 10.0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ProbeReply:
+    cached_tokens: int
+    probe_id: int  # 0 when nothing is pinned
+    load: int  # sequences waiting or running
+    max_model_len: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ReleaseProbe:
+    probe_id: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     prompt_token_ids: torch.Tensor  # int32, (num_tokens,)
     spans: list[MediaSpan]
-    embeddings: list[torch.Tensor]  # one per chunk, spans in order, chunks in order
+    sources: list[str]  # encoder address per chunk (spans in order, chunks in order)
+    handoff: list[bool]  # per chunk: this request holds a hand-off pin at that encoder
     sampling: SamplingParams
     salt: str | None = None
+    probe_id: int = 0  # pin from an earlier ProbeRequest, released once the prefix is held
 
 
 @message
@@ -133,6 +212,14 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NeedEncode:
+    """Final reply instead of tokens: these chunks vanished from their encoders; encode and retry."""
+
+    keys: list[bytes]
 
 
 @message

@@ -1,0 +1,96 @@
+"""The processor cache: media_key → layout and resized uint8 pixels, LRU, bounded in bytes.
+
+A hit costs a hash of the raw bytes and a dict lookup: no decode, no resize.
+Concurrent misses on one key decode once (single flight); a failed decode is
+never cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from processor.preprocess import MediaLayout
+from shared.keys import MediaKey
+
+Make = Callable[[], Awaitable[MediaLayout]]
+
+ENTRY_OVERHEAD = 512  # bytes per entry beyond its pixels (layout object, keys, dict slot)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    decodes: int = 0  # decode + preprocess runs (misses that did the work)
+
+
+class MediaCache:
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self._entries: OrderedDict[MediaKey, MediaLayout] = OrderedDict()
+        self._inflight: dict[MediaKey, asyncio.Future[MediaLayout]] = {}
+        self.nbytes = 0
+        self.stats = CacheStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: MediaKey) -> MediaLayout | None:
+        layout = self._entries.get(key)
+        if layout is not None:
+            self._entries.move_to_end(key)
+        return layout
+
+    def put(self, key: MediaKey, layout: MediaLayout) -> None:
+        size = _size(layout)
+        if size > self.capacity or key in self._entries:
+            return
+        while self.nbytes + size > self.capacity:
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= _size(old)
+            self.stats.evictions += 1
+        self._entries[key] = layout
+        self.nbytes += size
+
+    async def get_or_make(self, key: MediaKey, make: Make) -> tuple[MediaLayout, bool]:
+        """The layout for ``key`` and whether it was a hit; ``make`` runs at most once per key at a time."""
+        if not self.enabled:
+            self.stats.misses += 1
+            self.stats.decodes += 1
+            return await make(), False
+        layout = self.get(key)
+        if layout is not None:
+            self.stats.hits += 1
+            return layout, True
+        pending = self._inflight.get(key)
+        if pending is not None:
+            self.stats.hits += 1
+            return await asyncio.shield(pending), True
+        self.stats.misses += 1
+        self.stats.decodes += 1
+        # NOTE: the work runs as its own task so that a cancelled first requester
+        # (client gone) does not fail the others waiting on the same key.
+        task = asyncio.get_running_loop().create_task(self._make(key, make))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
+        self._inflight[key] = task
+        return await asyncio.shield(task), False
+
+    async def _make(self, key: MediaKey, make: Make) -> MediaLayout:
+        try:
+            layout = await make()
+        finally:
+            self._inflight.pop(key, None)
+        self.put(key, layout)
+        return layout
+
+
+def _size(layout: MediaLayout) -> int:
+    return layout.nbytes + ENTRY_OVERHEAD * (1 + len(layout.chunks))
