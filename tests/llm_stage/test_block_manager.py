@@ -1,0 +1,171 @@
+"""Prefix caching in the block pool, in the style of vLLM's CPU prefix-caching tests:
+exact block ids, hit lengths and eviction order."""
+
+from __future__ import annotations
+
+import torch
+
+from llm_stage.block_manager import BlockManager
+from llm_stage.scheduler import Scheduler
+from llm_stage.sequence import Sequence
+from shared.block_hash import root_hash
+from shared.keys import Fingerprint
+from shared.messages import MediaSpan, SamplingParams
+
+B = 4
+ROOT = root_hash(Fingerprint(b"\x07" * 16), None)
+IMG = 50
+
+
+def make_seq(seq_id: int, ids: list[int], spans: list[MediaSpan] | None = None, root=ROOT) -> Sequence:
+    return Sequence(
+        seq_id=seq_id,
+        token_ids=list(ids),
+        num_prompt_tokens=len(ids),
+        positions=torch.arange(len(ids)).expand(3, -1),
+        rope_delta=0,
+        media=[],
+        spans=spans or [],
+        root_hash=root,
+        sampling=SamplingParams(max_tokens=8, temperature=0.0),
+        max_model_len=1024,
+        stop_ids=frozenset(),
+    )
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """Match, allocate and fill ``seq``'s prompt as the scheduler would; returns the hit in tokens."""
+    hashes = seq.update_block_hashes(B)[: (seq.num_tokens - 1) // B]
+    cached = bm.match_prefix(hashes, seq.token_ids)
+    assert bm.can_allocate(seq, cached, seq.num_tokens - len(cached) * B)
+    bm.allocate(seq, cached)
+    hit = seq.num_computed_tokens
+    bm.grow(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit(seq, seq.update_block_hashes(B))
+    return hit
+
+
+def test_allocation_takes_blocks_in_order_and_hashes_full_blocks():
+    bm = BlockManager(10, B, enable_caching=True)
+    seq = make_seq(1, list(range(10)))  # 2 full blocks + 2 tokens
+    assert admit(bm, seq) == 0
+    assert seq.block_table == [0, 1, 2]
+    assert [bm.blocks[i].block_hash is not None for i in (0, 1, 2)] == [True, True, False]
+    assert bm.num_free_blocks == 7
+
+
+def test_second_request_hits_the_shared_prefix_with_exact_ids():
+    bm = BlockManager(10, B, enable_caching=True)
+    a = make_seq(1, list(range(10)))
+    admit(bm, a)
+    b = make_seq(2, [*list(range(8)), 90, 91, 92])  # shares tokens 0..7 = blocks 0, 1
+    assert admit(bm, b) == 8
+    assert b.block_table[:2] == [0, 1]
+    assert b.block_table[2:] == [3]  # its own tail
+    assert bm.blocks[0].ref_count == 2 and bm.blocks[1].ref_count == 2
+
+
+def test_full_prompt_hit_still_computes_the_last_token():
+    bm = BlockManager(10, B, enable_caching=True)
+    ids = list(range(8))  # exactly two blocks
+    admit(bm, make_seq(1, ids))
+    again = make_seq(2, ids)
+    assert admit(bm, again) == 4  # (8 - 1) // 4 = 1 block: the last token is recomputed
+
+
+def test_freed_blocks_stay_cached_and_are_revived():
+    bm = BlockManager(6, B, enable_caching=True)
+    a = make_seq(1, list(range(9)))
+    admit(bm, a)
+    bm.free_seq(a)
+    assert bm.num_free_blocks == 6
+    b = make_seq(2, list(range(9)))
+    assert admit(bm, b) == 8
+    assert b.block_table[:2] == [0, 1]
+
+
+def test_eviction_order_is_lru_and_tail_first():
+    bm = BlockManager(6, B, enable_caching=True)
+    a = make_seq(1, list(range(12)))  # blocks 0,1,2 hashed (12 tokens = 3 full blocks)
+    admit(bm, a)
+    bm.free_seq(a)
+    # NOTE: freed in reverse, so the free queue now ends ... 2, 1, 0: the chain's tail goes first.
+    assert list(bm.free)[-3:] == [2, 1, 0]
+    c = make_seq(2, list(range(100, 120)))  # needs 5 blocks: 3 never-hashed, then 2, 1
+    admit(bm, c)
+    assert c.block_table == [3, 4, 5, 2, 1]
+    assert bm.stats.evictions == 2
+    bm.free_seq(c)
+    d = make_seq(3, [*list(range(4)), 77, 78])
+    assert admit(bm, d) == 4  # block 0 (the chain's head) survived
+
+
+def test_disabled_cache_never_hits():
+    bm = BlockManager(10, B, enable_caching=False)
+    admit(bm, make_seq(1, list(range(9))))
+    assert admit(bm, make_seq(2, list(range(9)))) == 0
+
+
+def test_same_placeholders_of_two_images_do_not_share_blocks():
+    bm = BlockManager(20, B, enable_caching=True)
+    ids = [1, 2, 3, 4] + [IMG] * 8 + [5, 6, 7, 8, 9]
+    span_a = MediaSpan(4, "image", (1, 4, 8), [b"a" * 16])  # 8 tokens
+    span_b = MediaSpan(4, "image", (1, 4, 8), [b"b" * 16])
+    admit(bm, make_seq(1, ids, [span_a]))
+    assert admit(bm, make_seq(2, ids, [span_b])) == 4  # only the text block before the image
+    assert admit(bm, make_seq(3, ids, [span_a])) == 16
+
+
+def test_salt_separates_blocks():
+    bm = BlockManager(20, B, enable_caching=True)
+    ids = list(range(12))
+    admit(bm, make_seq(1, ids))
+    salted = make_seq(2, ids, root=root_hash(Fingerprint(b"\x07" * 16), "tenant"))
+    assert admit(bm, salted) == 0
+
+
+def test_hash_hit_is_confirmed_against_stored_tokens():
+    bm = BlockManager(10, B, enable_caching=True)
+    a = make_seq(1, list(range(9)))
+    admit(bm, a)
+    forged = make_seq(2, [*list(range(4)), 40, 41, 42, 43, 44])
+    hashes = forged.update_block_hashes(B)
+    hashes[1] = a.block_hashes[1]  # pretend a collision on block 1
+    assert bm.match_prefix(hashes[:2], forged.token_ids) == [0]
+
+
+def test_hold_and_release_keep_blocks_out_of_the_free_queue():
+    bm = BlockManager(4, B, enable_caching=True)
+    a = make_seq(1, list(range(9)))
+    admit(bm, a)
+    bm.free_seq(a)
+    bm.hold([0, 1])  # a probe's pin
+    assert 0 not in bm.free and 1 not in bm.free
+    big = make_seq(2, list(range(100, 108)))
+    admit(bm, big)
+    assert set(big.block_table).isdisjoint({0, 1})
+    bm.release([0, 1])
+    assert 0 in bm.free and 1 in bm.free
+
+
+def test_scheduler_preempts_newest_and_resumes_from_cache():
+    """A pool too small for two growing sequences: the newer one is preempted, later resumed
+    with its computed blocks revived from the cache, and nothing deadlocks."""
+    bm = BlockManager(6, B, enable_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seq(1, list(range(9))), make_seq(2, list(range(200, 209)))
+    for s in (a, b):
+        s.sampling = SamplingParams(max_tokens=12, temperature=0.0)
+        sched.add(s)
+    steps = 0
+    while sched.has_work() and steps < 100:
+        batch = sched.schedule()
+        tokens = [7] * sum(1 for s, n in batch if s.num_computed_tokens + n == s.num_tokens)
+        sched.postprocess(batch, tokens)
+        steps += 1
+    assert not sched.has_work()
+    assert a.finish_reason == b.finish_reason == "length"
+    assert a.num_output_tokens == b.num_output_tokens == 12
+    assert sched.num_preemptions >= 1
+    assert bm.num_free_blocks == 6
