@@ -1,0 +1,168 @@
+"""Every cache tier proves its hit (counters, cached_tokens) and that the answer is unchanged
+(identical greedy tokens to a server running with --no-cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.server import Server
+from tests.e2e.util import chat, image_part, metrics, ok, post_many, tokens, video_part
+from tests.media import image_bytes, video_bytes
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_model):
+    server = Server(tiny_model)
+    yield server
+    assert server.stop() == set()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    server = Server(tiny_model, "--no-cache")
+    yield server
+    assert server.stop() == set()
+
+
+def name(server: Server) -> str:
+    return server.model.name
+
+
+def test_repeated_image_is_not_decoded_or_encoded_again(cached, baseline):
+    img = image_bytes(448, 448, seed=11)
+    first = ok(
+        cached, chat(name(cached), [image_part(img), {"type": "text", "text": "Describe it."}], system="S1")
+    )
+    assert first["usage"]["mm_cache"]["processor_misses"] == 1
+    before = metrics(cached)
+    # Another system prompt: the prefix cache cannot cover the image, so the encoder tier is asked.
+    body = chat(
+        name(cached), [image_part(img), {"type": "text", "text": "Describe it."}], system="Another one"
+    )
+    second = ok(cached, body)
+    after = metrics(cached)
+    assert after["mmcache_processor_decodes_total"] == before["mmcache_processor_decodes_total"]
+    assert after["mmcache_encoder_forwards"] == before["mmcache_encoder_forwards"]
+    assert second["usage"]["mm_cache"] == {
+        "processor_hits": 1,
+        "processor_misses": 0,
+        "encoder_hits": 1,
+        "encoder_misses": 0,
+        "prefix_skipped": 0,
+    }
+    assert tokens(second) == tokens(ok(baseline, body))
+
+
+def test_repeated_request_hits_the_prefix_cache_and_skips_the_encoder(cached, baseline):
+    body = chat(name(cached), [image_part(image_bytes(300, 200, seed=12)), {"type": "text", "text": "Hi"}])
+    first = ok(cached, body)
+    before = metrics(cached)
+    second = ok(cached, body)
+    after = metrics(cached)
+    prompt = second["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // BLOCK * BLOCK
+    assert second["usage"]["mm_cache"]["prefix_skipped"] == 1
+    assert after["mmcache_encoder_fetches"] == before["mmcache_encoder_fetches"]  # no rows pulled at all
+    assert tokens(first) == tokens(second) == tokens(ok(baseline, body))
+
+
+def test_two_salts_never_share_an_entry(cached):
+    img = image_bytes(448, 448, seed=13)
+    content = [image_part(img), {"type": "text", "text": "What is it?"}]
+    a = ok(cached, chat(name(cached), content, cache_salt="tenant-a"))
+    before = metrics(cached)
+    b = ok(cached, chat(name(cached), content, cache_salt="tenant-b"))
+    after = metrics(cached)
+    assert b["usage"]["mm_cache"]["processor_misses"] == 1
+    assert b["usage"]["mm_cache"]["encoder_misses"] == 1
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert after["mmcache_encoder_forwards"] == before["mmcache_encoder_forwards"] + 1
+    again = ok(cached, chat(name(cached), content, cache_salt="tenant-a"))
+    assert again["usage"]["mm_cache"]["processor_hits"] == 1
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert tokens(a) == tokens(b) == tokens(again)
+
+
+def test_uuid_stands_for_its_bytes_only_within_its_salt(cached):
+    img = image_bytes(224, 224, seed=14)
+    text = {"type": "text", "text": "And this?"}
+    with_data = ok(cached, chat(name(cached), [image_part(img, uuid="photo-1"), text], cache_salt="t1"))
+    by_uuid = ok(
+        cached, chat(name(cached), [{"type": "image_url", "uuid": "photo-1"}, text], cache_salt="t1")
+    )
+    assert by_uuid["usage"]["mm_cache"]["processor_hits"] == 1
+    assert tokens(by_uuid) == tokens(with_data)
+    for salt in ("t2", None):
+        extra = {"cache_salt": salt} if salt else {}
+        status, err = cached.post(
+            "/v1/chat/completions",
+            chat(name(cached), [{"type": "image_url", "uuid": "photo-1"}, text], **extra),
+        )
+        assert status == 400
+        assert "photo-1" in err["error"]["message"]
+        assert err["error"]["code"] == "unknown_uuid"
+
+
+def test_concurrent_requests_for_one_new_image_run_one_forward(cached, baseline):
+    img = image_bytes(448, 448, seed=15)
+    body = chat(name(cached), [image_part(img), {"type": "text", "text": "Eight at once."}])
+    before = metrics(cached)
+    outs = post_many(cached, [body] * 8)
+    after = metrics(cached)
+    assert after["mmcache_encoder_forwards"] - before["mmcache_encoder_forwards"] == 1
+    assert after["mmcache_processor_decodes_total"] - before["mmcache_processor_decodes_total"] == 1
+    expected = tokens(ok(baseline, body))
+    assert all(tokens(o) == expected for o in outs)
+
+
+def test_growing_video_encodes_only_new_chunks_and_partially_hits(cached, baseline):
+    """The first 8 frames of a clip, then the first 16 (two different files)."""
+    short, long = video_bytes(8, seed=21), video_bytes(16, seed=21)
+    text = {"type": "text", "text": "What happens?"}
+    short_out = ok(cached, chat(name(cached), [video_part(short), text]))
+    assert short_out["usage"]["mm_cache"]["encoder_misses"] == 4  # 8 frames = 4 temporal chunks
+    before = metrics(cached)
+    body = chat(name(cached), [video_part(long), text])
+    long_out = ok(cached, body)
+    after = metrics(cached)
+    usage = long_out["usage"]
+    assert after["mmcache_encoder_chunks_encoded"] - before["mmcache_encoder_chunks_encoded"] == 4
+    # The prefix cache ends inside the video: at the last full block before the first new chunk.
+    video_start = _first_video_token(long_out["prompt_token_ids"])
+    per_chunk = 64  # 224x224 frames → 16x16 patches → 64 tokens per temporal chunk
+    shared_end = video_start + 4 * per_chunk
+    cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached_tokens == shared_end // BLOCK * BLOCK
+    assert video_start < cached_tokens < video_start + 8 * per_chunk
+    rows = after["mmcache_llm_embedding_rows_fetched"] - before["mmcache_llm_embedding_rows_fetched"]
+    assert rows == video_start + 8 * per_chunk - cached_tokens  # only the rows after the cached prefix
+    assert tokens(long_out) == tokens(ok(baseline, body))
+
+
+def _first_video_token(prompt_ids: list[int]) -> int:
+    # The video's placeholder id is the most frequent token of this prompt (512 of them).
+    video_id = max(set(prompt_ids), key=prompt_ids.count)
+    return prompt_ids.index(video_id)
+
+
+def test_multi_turn_reuses_the_first_turn(cached, baseline):
+    img = image_bytes(448, 448, seed=16)
+    turn1 = chat(
+        name(cached), [image_part(img), {"type": "text", "text": "Tell me about it."}], system="Be brief."
+    )
+    out1 = ok(cached, turn1)
+    turn2 = dict(turn1)
+    turn2["messages"] = [
+        *turn1["messages"],
+        {"role": "assistant", "content": out1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    out2 = ok(cached, turn2)
+    prompt1 = out1["usage"]["prompt_tokens"]
+    assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt1 // BLOCK * BLOCK
+    assert out2["usage"]["mm_cache"]["prefix_skipped"] == 1
+    assert tokens(out2) == tokens(ok(baseline, turn2))

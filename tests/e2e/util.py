@@ -1,0 +1,62 @@
+"""Small helpers for end-to-end tests: metrics, chat bodies, concurrent posts."""
+
+from __future__ import annotations
+
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.e2e.server import Server
+from tests.media import data_url
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """Prometheus text from /metrics → {metric name: value summed over replicas}."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        name = name.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def image_part(data: bytes, mime: str = "image/png", uuid: str | None = None) -> dict:
+    part: dict = {"type": "image_url", "image_url": {"url": data_url(data, mime)}}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def video_part(data: bytes) -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}}
+
+
+def chat(model: str, content, *, system: str | None = None, max_tokens: int = 12, **extra) -> dict:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    return {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def ok(server: Server, body: dict) -> dict:
+    status, out = server.post("/v1/chat/completions", body)
+    assert status == 200, out
+    return out
+
+
+def tokens(out: dict) -> list[int]:
+    return out["choices"][0]["token_ids"]
+
+
+def post_many(server: Server, bodies: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: ok(server, b), bodies))

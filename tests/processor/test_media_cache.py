@@ -1,0 +1,151 @@
+"""The processor tier: identity of media, a bounded LRU of layouts + pixels, single flight."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from processor.media_cache import MediaCache
+from processor.media_source import MediaSource
+from processor.pipeline import Pipeline
+from processor.preprocess import Preprocessor
+from processor.prompt import PromptBuilder
+from processor.request import parse_chat_request
+from shared.checkpoint import ModelSpec
+from shared.config import ProcessorConfig
+from shared.keys import media_key
+from tests.media import image_bytes
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def pipeline(model: Path, media_dir: Path, cache_bytes: int) -> Pipeline:
+    cfg = ProcessorConfig(
+        model=str(model), allowed_local_media_path=str(media_dir), processor_cache_gb=cache_bytes / (1 << 30)
+    )
+    source = MediaSource(cfg.allowed_dirs, cfg.max_media_bytes, None)
+    pre = Preprocessor(cfg.model, cfg.video_fps, cfg.max_video_frames)
+    return Pipeline(cfg, source, pre, PromptBuilder(ModelSpec.load(model)))
+
+
+def request(path: Path, salt: str | None = None) -> dict:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}}]}
+        ],
+    }
+    if salt:
+        body["cache_salt"] = salt
+    return body
+
+
+async def test_second_request_does_no_decode(tiny_model, tmp_path):
+    path = tmp_path / "a.png"
+    path.write_bytes(image_bytes(448, 448, seed=1))
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    first = await pipe.prepare(parse_chat_request(request(path)))
+    second = await pipe.prepare(parse_chat_request(request(path)))
+    assert pipe.cache.stats.decodes == 1
+    assert (first.report.processor_misses, second.report.processor_hits) == (1, 1)
+    assert first.token_ids == second.token_ids
+    assert [c.key for c in first.media[0].chunks] == [c.key for c in second.media[0].chunks]
+
+
+async def test_salts_do_not_share_entries(tiny_model, tmp_path):
+    path = tmp_path / "a.png"
+    path.write_bytes(image_bytes(200, 200, seed=2))
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    a = await pipe.prepare(parse_chat_request(request(path, "a")))
+    b = await pipe.prepare(parse_chat_request(request(path, "b")))
+    assert pipe.cache.stats.decodes == 2 and b.report.processor_misses == 1
+    assert a.media[0].chunks[0].key != b.media[0].chunks[0].key  # chunk keys are salted too
+
+
+async def test_concurrent_misses_decode_once(tiny_model, tmp_path):
+    path = tmp_path / "a.png"
+    path.write_bytes(image_bytes(448, 448, seed=3))
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    outs = await asyncio.gather(*(pipe.prepare(parse_chat_request(request(path))) for _ in range(6)))
+    assert pipe.cache.stats.decodes == 1
+    assert sum(o.report.processor_hits for o in outs) == 5
+
+
+async def test_a_failed_decode_is_not_cached(tiny_model, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"garbage" * 10)
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    for _ in range(2):
+        with pytest.raises(Exception, match="cannot decode image"):
+            await pipe.prepare(parse_chat_request(request(bad)))
+    assert pipe.cache.stats.decodes == 2 and len(pipe.cache) == 0
+
+
+def test_every_processor_setting_changes_the_fingerprint(tiny_model, tmp_path):
+    base = Preprocessor(str(tiny_model), 2.0, 64).fingerprint
+    assert Preprocessor(str(tiny_model), 1.0, 64).fingerprint != base
+    assert Preprocessor(str(tiny_model), 2.0, 32).fingerprint != base
+    for section, field, value in [
+        ("image_processor", "size", {"longest_edge": 100352, "shortest_edge": 3136}),
+        ("image_processor", "image_mean", [0.5, 0.5, 0.5]),
+        ("video_processor", "size", {"longest_edge": 50176, "shortest_edge": 6272}),
+        ("video_processor", "image_std", [0.5, 0.5, 0.5]),
+    ]:
+        other = tmp_path / f"{section}-{field}"
+        other.mkdir()
+        for f in tiny_model.iterdir():
+            (other / f.name).symlink_to(f)
+        (other / "processor_config.json").unlink()
+        config = json.loads((tiny_model / "processor_config.json").read_text())
+        config[section][field] = value
+        (other / "processor_config.json").write_text(json.dumps(config))
+        changed = Preprocessor(str(other), 2.0, 64).fingerprint
+        assert changed != base, (section, field)
+        data = image_bytes(64, 64)
+        assert media_key(None, "image", data, changed) != media_key(None, "image", data, base)
+
+
+def test_lru_is_bounded_in_bytes(tiny_model):
+    pre = Preprocessor(str(tiny_model), 2.0, 64)
+    layouts = [pre.image(Image.open(io.BytesIO(image_bytes(112, 112, seed=i))), None) for i in range(6)]
+    size = layouts[0].nbytes
+    cache = MediaCache(capacity_bytes=3 * size + 3 * 2 * 512)
+    for i, layout in enumerate(layouts):
+        cache.put(bytes([i]) * 16, layout)
+        assert cache.nbytes <= cache.capacity
+    assert len(cache) == 3
+    assert cache.get(bytes([0]) * 16) is None and cache.get(bytes([5]) * 16) is not None
+    assert cache.stats.evictions == 3
+
+
+async def test_500_distinct_images_through_a_small_cap_keep_memory_flat(tiny_model, tmp_path):
+    cap = 4 << 20
+    pipe = pipeline(tiny_model, tmp_path, cap)
+    paths = []
+    for i in range(500):
+        path = tmp_path / f"{i}.png"
+        path.write_bytes(image_bytes(256, 256, seed=1000 + i))
+        paths.append(path)
+    peak_bytes = 0
+    rss = []
+    for i, path in enumerate(paths):
+        await pipe.prepare(parse_chat_request(request(path)))
+        peak_bytes = max(peak_bytes, pipe.cache.nbytes)
+        assert pipe.cache.nbytes <= cap
+        if i in (99, 499):
+            gc.collect()
+            rss.append(rss_bytes())
+    assert pipe.cache.stats.decodes == 500
+    assert pipe.cache.stats.evictions > 400
+    assert peak_bytes > cap // 2  # the cap was actually exercised
+    # After warm-up, 400 more distinct images may not grow the process by more than the cap.
+    assert rss[1] - rss[0] < 2 * cap, rss
