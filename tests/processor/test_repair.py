@@ -1,0 +1,118 @@
+"""Miss repair: an embedding that vanishes between the processor's lookup and the LLM stage's
+fetch (eviction, encoder restart) is encoded again from the pixels the processor holds. Slower,
+never wrong, never a 5xx.
+
+Real encoder and LLM services talk real ZeroMQ (ipc) inside this process; the fault is injected by
+an encoder that forgets entries right after answering a lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import zmq.asyncio
+
+from encoder_stage.service import EncoderService
+from encoder_stage.vision import VisionTower
+from llm_stage.engine import Engine
+from llm_stage.media_fetch import MediaFetcher
+from llm_stage.service import LLMService
+from processor.dispatch import Dispatcher
+from processor.media_source import MediaSource
+from processor.pipeline import Pipeline
+from processor.preprocess import Preprocessor
+from processor.prompt import PromptBuilder
+from processor.request import parse_chat_request
+from processor.stages import StageClients
+from shared.checkpoint import ModelSpec
+from shared.config import EncoderConfig, LLMConfig, ProcessorConfig
+from shared.messages import LookupRequest
+from shared.rpc import RpcServer
+from tests.media import data_url, image_bytes
+
+
+class ForgetfulEncoder(EncoderService):
+    """Evicts every entry a lookup reported present, right after the reply (the worst moment)."""
+
+    forget = False
+
+    async def handle(self, msg, reply):
+        await super().handle(msg, reply)
+        if self.forget and isinstance(msg, LookupRequest):
+            for key in msg.keys:
+                self.cache._entries.pop(self.key(key), None)
+
+
+@contextlib.asynccontextmanager
+async def stack(model: Path, tmp: Path):
+    spec = ModelSpec.load(model)
+    ctx = zmq.asyncio.Context()
+    enc_addr, llm_addr = f"ipc://{tmp}/enc.sock", f"ipc://{tmp}/llm.sock"
+    encoder = ForgetfulEncoder(EncoderConfig(model=str(model)), VisionTower(spec))
+    llm_cfg = LLMConfig(model=str(model), num_kv_blocks=256)
+    engine = Engine(llm_cfg, spec)
+    llm = LLMService(llm_cfg, engine, MediaFetcher(ctx, 10.0, engine.lm.config.hidden_size))
+    servers = [RpcServer(ctx, enc_addr, encoder.handle), RpcServer(ctx, llm_addr, llm.handle)]
+    tasks = [asyncio.create_task(s.serve_forever()) for s in servers]
+    cfg = ProcessorConfig(model=str(model), encoder=enc_addr, llm=llm_addr)
+    stages = StageClients(ctx, [enc_addr], [llm_addr])
+    pipeline = Pipeline(
+        cfg, MediaSource([], cfg.max_media_bytes, None), Preprocessor(cfg.model, 2.0, 64), PromptBuilder(spec)
+    )
+    try:
+        yield encoder, pipeline, Dispatcher(stages, 30.0)
+    finally:
+        for t in tasks:
+            t.cancel()
+        stages.close()
+        for s in servers:
+            s.close()
+        encoder.close()
+        llm.close()
+        pipeline.close()
+        ctx.destroy(linger=0)
+
+
+async def answer(pipeline: Pipeline, dispatcher: Dispatcher, body: dict) -> tuple[list[int], object]:
+    prepared = await pipeline.prepare(parse_chat_request(body))
+    out: list[int] = []
+    async for chunk in dispatcher.generate(prepared):
+        out += chunk.token_ids
+    return out, prepared.report
+
+
+def body(img: bytes, system: str) -> dict:
+    return {
+        "model": "m",
+        "max_tokens": 10,
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": system},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(img, "image/png")}},
+                    {"type": "text", "text": "What is it?"},
+                ],
+            },
+        ],
+    }
+
+
+async def test_entry_evicted_between_lookup_and_fetch_is_repaired(tiny_model, tmp_path):
+    img = image_bytes(448, 448, seed=77)
+    async with stack(tiny_model, tmp_path) as (encoder, pipeline, dispatcher):
+        reference, _ = await answer(pipeline, dispatcher, body(img, "first"))
+        forwards = encoder.batcher.stats.forwards
+        encoder.forget = True
+        # Another system prompt, so the prefix cache cannot cover the image: the LLM must fetch it.
+        repaired, report = await answer(pipeline, dispatcher, body(img, "second one"))
+        assert report.encoder_hits == 1  # the lookup found it ...
+        assert report.encoder_misses == 1  # ... the fetch did not: one repair encode
+        assert encoder.batcher.stats.forwards == forwards + 1
+        encoder.forget = False
+        fresh, _ = await answer(pipeline, dispatcher, body(img, "second one"))
+    assert repaired == fresh
+    assert reference  # non-empty greedy answers
