@@ -84,6 +84,9 @@ class EncoderService:
         return self.cache.lookup(key) and self.cache.touch(key, handoff)
 
     async def _encode(self, msg: EncodeRequest, reply: Responder) -> None:
+        if self.batcher.queued + len(msg.items) > self.cfg.max_queue:
+            await reply.send(ErrorReply("overloaded", "encoder queue is full, retry later", 503))
+            return
         for item in msg.items:
             if problem := self.check(item):
                 await reply.send(ErrorReply("bad_pixels", problem, 400))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -33,6 +34,7 @@ PIPELINE = web.AppKey("pipeline", Pipeline)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 STAGES = web.AppKey("stages", StageClients)
 MODEL_NAME = web.AppKey("model_name", str)
+SLOTS = web.AppKey("slots", asyncio.Semaphore)
 
 
 def init(cfg: ProcessorConfig) -> web.Application:
@@ -41,6 +43,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
     app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[error_middleware])
     app[CONFIG] = cfg
     app[MODEL_NAME] = cfg.served_model_name or spec.name
+    app[SLOTS] = asyncio.Semaphore(cfg.max_concurrent_requests)
     pre = Preprocessor(cfg.model, cfg.video_fps, cfg.max_video_frames)
     prompts = PromptBuilder(spec)
 
@@ -124,6 +127,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    slots = request.app[SLOTS]
+    if slots.locked():
+        raise APIError(503, "too many requests in progress, retry later", "overloaded")
+    async with slots:
+        return await _chat_completions(request)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

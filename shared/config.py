@@ -103,12 +103,14 @@ class EncoderConfig:
     max_batch_tokens: int = opt(
         16384, "most patches in one vision forward (chunks of several requests batch)"
     )
+    max_queue: int = opt(4096, "most chunks waiting for a forward; more are refused with 503")
     encoder_cache_gb: float = opt(2.0, "embedding cache size, GiB (0 disables)")
     handoff_ttl: float = opt(60.0, "seconds an encoded chunk stays pinned waiting for its LLM fetch")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
     def __post_init__(self) -> None:
         _positive("max_batch_tokens", self.max_batch_tokens)
+        _positive("max_queue", self.max_queue)
         _positive("encoder_cache_gb", self.encoder_cache_gb, allow_zero=True)
         _positive("handoff_ttl", self.handoff_ttl)
 
@@ -174,6 +176,7 @@ class ProcessorConfig:
     max_media_items: int = opt(16, "most images and videos in one request")
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
+    max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
@@ -189,6 +192,7 @@ class ProcessorConfig:
             "max_media_items",
             "max_request_bytes",
             "stage_timeout",
+            "max_concurrent_requests",
         ):
             _positive(name, getattr(self, name))
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
