@@ -25,13 +25,22 @@ class Detokenizer:
 
     def add(self, token_ids: list[int]) -> None:
         """Append generated tokens; sets :attr:`stopped` when a stop string appears."""
-        if self.stopped:
-            return
-        self.token_ids += token_ids
+        if not self.stopped:
+            self.token_ids += token_ids
+            self._advance(final=False)
+
+    def flush(self) -> str:
+        """All remaining text: call once generation has ended (an incomplete last character
+        decodes as U+FFFD, exactly as a whole-output decode would)."""
+        if not self.stopped and self._read < len(self.token_ids):
+            self._advance(final=True)
+        return self._take(len(self.text))
+
+    def _advance(self, final: bool) -> None:
         window = [t for t in self.token_ids[self._prefix :] if t not in self._special]
         read = [t for t in self.token_ids[self._prefix : self._read] if t not in self._special]
         full = self._tok.decode(window, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if full.endswith("\ufffd"):
+        if full.endswith("\ufffd") and not final:
             return  # wait for the rest of the character
         seen = self._tok.decode(read, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         new = full[len(seen) :]
@@ -45,10 +54,6 @@ class Detokenizer:
                 self.text = self.text[:at]
                 self.stopped = True
                 return
-
-    def flush(self) -> str:
-        """Text that is safe to send now (all of it once generation has ended)."""
-        return self._take(len(self.text))
 
     def safe_delta(self) -> str:
         """Text that can no longer turn into a stop string."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +163,7 @@ def _number(
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
     if not ok_type or isinstance(value, bool):
         raise bad_request(f"'{name}' must be a number", f"invalid_{name}", name)
-    if value < low or value > high or (low_open and value == low):
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
         bounds = f"{'(' if low_open else '['}{low}, {high}]"
         raise bad_request(f"'{name}' must be in {bounds}, got {value}", f"invalid_{name}", name)
     return value

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -90,7 +91,7 @@ def split_list(value: str) -> list[str]:
 
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{flag_name(name)} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
@@ -195,6 +196,8 @@ class ProcessorConfig:
             "max_concurrent_requests",
         ):
             _positive(name, getattr(self, name))
+        if self.port > 65535:
+            raise ValueError(f"--port must be at most 65535, got {self.port}")
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
         if not split_list(self.encoder) or not split_list(self.llm):
             raise ValueError("--encoder and --llm need at least one address each")

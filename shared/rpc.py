@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from shared.messages import Abort, ErrorReply
-from shared.wire import WireError, decode, encode
+from shared.wire import decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RpcClient:
             frames = await self._sock.recv_multipart(copy=False)
             try:
                 msg, env = decode(frames)
-            except WireError as exc:
+            except Exception as exc:  # a bad peer must not stop this client
                 log.warning("%s: dropping bad reply from %s: %s", self._name, self.address, exc)
                 continue
             queue = self._queues.get(env.get("rid"))
@@ -164,7 +164,7 @@ class RpcServer:
             identity = frames[0].bytes
             try:
                 msg, env = decode(frames[1:])
-            except WireError as exc:
+            except Exception as exc:  # nothing a peer sends may stop this loop
                 log.warning("%s: bad request: %s", self._name, exc)
                 rid = 0
                 await Responder(self, identity, rid).send(ErrorReply("bad_message", str(exc), 400))

@@ -17,6 +17,7 @@ import torch
 PROTOCOL_VERSION = 1
 
 _REGISTRY: dict[str, type] = {}
+_TUPLE_FIELDS: dict[type, tuple[str, ...]] = {}  # msgpack has no tuples: restored on decode
 _T = TypeVar("_T")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -43,6 +44,7 @@ def message(cls: type[_T]) -> type[_T]:
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise TypeError(f"duplicate wire type {name}")
     _REGISTRY[name] = cls
+    _TUPLE_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple"))
     return cls
 
 
@@ -89,19 +91,27 @@ def decode(frames: list[Any]) -> tuple[Any, dict[str, Any]]:
             cls = _REGISTRY.get(obj.pop("__dc__"))
             if cls is None:
                 raise WireError("unknown nested type")
+            for name in _TUPLE_FIELDS[cls]:
+                if isinstance(obj.get(name), list):
+                    obj[name] = tuple(obj[name])
             return cls(**obj)
         return obj
 
     try:
         header = msgpack.unpackb(raw[1], object_hook=hook, raw=False, strict_map_key=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack and the dataclass constructors raise many types on garbage
         raise WireError(f"bad header for {name}: {exc}") from exc
     if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
         raise WireError(f"protocol version mismatch (want {PROTOCOL_VERSION})")
-    body = header["body"]
+    body = header.get("body")
     if type(body) is not _REGISTRY[name]:
         raise WireError(f"header body is not a {name}")
-    return body, header.get("env", {})
+    env = header.get("env", {})
+    if not isinstance(env, dict) or not isinstance(env.get("rid", 0), int):
+        raise WireError("bad envelope")
+    return body, env
 
 
 def _buffer(frame: Any) -> memoryview:
@@ -125,10 +135,16 @@ def _tensor_ref(t: torch.Tensor, buffers: list[Any]) -> dict[str, Any]:
 
 
 def _tensor_from(ref: list[Any], raw: list[memoryview]) -> torch.Tensor:
+    if not isinstance(ref, list) or len(ref) != 3:
+        raise WireError("bad tensor reference")
     dtype_name, shape, index = ref
-    dtype = _DTYPES.get(dtype_name)
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None or not isinstance(index, int) or not 2 <= index < len(raw):
         raise WireError("bad tensor reference")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise WireError(f"bad tensor shape {shape!r}")
     buf = raw[index]
     numel = 1
     for dim in shape:

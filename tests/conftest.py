@@ -19,3 +19,15 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models) -> Path:
     return tiny_models["qwen2-vl"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """In-process model tests share 2 cores with server processes: one intra-op thread each
+    keeps them from fighting (and results do not depend on the thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
