@@ -96,13 +96,17 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _stop_all(children: dict[str, subprocess.Popen]) -> None:
-    for proc in children.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
-    for proc in children.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """The processor first (it finishes or ends its streams), then the stages it talks to."""
+    order = [["processor"], ["encoder", "llm"]]
+    for names in order:
+        procs = [children[n] for n in names if n in children]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

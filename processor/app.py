@@ -35,6 +35,7 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 STAGES = web.AppKey("stages", StageClients)
 MODEL_NAME = web.AppKey("model_name", str)
 SLOTS = web.AppKey("slots", asyncio.Semaphore)
+SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM
 
 
 def init(cfg: ProcessorConfig) -> web.Application:
@@ -289,5 +290,11 @@ def run(cfg: ProcessorConfig) -> None:
 
     setup_logging("processor")
     web.run_app(
-        init(cfg), host=cfg.host, port=cfg.port, handler_cancellation=True, print=None, access_log=None
+        init(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        handler_cancellation=True,
+        print=None,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_SECONDS,
     )

@@ -55,8 +55,11 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except APIError as exc:
         return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, f"request body is larger than {exc.max_size} bytes", "request_too_large")
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.client_max_size
+        return error_response(
+            413, f"request body is larger than the limit of {limit} bytes", "request_too_large"
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

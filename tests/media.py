@@ -31,7 +31,9 @@ def video_frames(num_frames: int, width: int = 224, height: int = 224, seed: int
     return [image_array(width, height, seed * 1000 + i) for i in range(num_frames)]
 
 
-def video_bytes(num_frames: int = 8, width: int = 224, height: int = 224, fps: int = 2, seed: int = 0) -> bytes:
+def video_bytes(
+    num_frames: int = 8, width: int = 224, height: int = 224, fps: int = 2, seed: int = 0
+) -> bytes:
     """An intra-only MPEG-4 clip: every frame decodes on its own, so the first frames of a longer
     recording of the same clip decode to exactly the same pixels."""
     buf = io.BytesIO()

@@ -54,8 +54,19 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        cmd = [sys.executable, "-m", "mmcache", "serve", "--model", str(model), "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mmcache",
+            "serve",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
         if media_dir is not None:
             cmd += ["--allowed-local-media-path", str(media_dir)]
         env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
