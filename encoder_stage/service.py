@@ -30,6 +30,7 @@ from shared.messages import (
 )
 from shared.rpc import Responder
 from shared.service import serve, setup_logging
+from shared.torch_utils import set_threads
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class EncoderService:
 
 def run(cfg: EncoderConfig) -> None:
     setup_logging("encoder")
+    set_threads(cfg.torch_threads)
     spec = ModelSpec.load(cfg.model)
 
     async def make(ctx: zmq.asyncio.Context):

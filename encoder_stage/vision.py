@@ -29,6 +29,23 @@ class Chunk:
     pixels: torch.Tensor  # uint8 (frames, channels, height, width)
 
 
+class LinearPatchEmbed(torch.nn.Module):
+    """The patch embedding as a matmul: a Conv3d whose kernel equals its stride and covers the
+    whole patch is one linear map per patch, and CPU conv3d kernels are ~3x slower than the
+    matmul (results agree to float rounding; the tests bound the difference)."""
+
+    def __init__(self, conv: torch.nn.Conv3d):
+        super().__init__()
+        self.patch_dim = conv.weight[0].numel()
+        self.weight = torch.nn.Parameter(
+            conv.weight.detach().reshape(conv.out_channels, -1), requires_grad=False
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        flat = hidden_states.reshape(-1, self.patch_dim).to(self.weight.dtype)
+        return torch.nn.functional.linear(flat, self.weight)
+
+
 def _vision_class(model_type: str) -> type:
     if model_type == "qwen2_vl":
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -52,6 +69,7 @@ class VisionTower:
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"vision weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model.patch_embed = LinearPatchEmbed(model.patch_embed.proj)
         self.model = model.to(self.device).eval()
         self.image_processor = AutoImageProcessor.from_pretrained(spec.path)
         self.video_processor = AutoVideoProcessor.from_pretrained(spec.path)

@@ -41,7 +41,21 @@ class _Item:
     start: int  # first token computed this step
     end: int  # one past the last
     row: int  # first row in the batch
-    context: torch.Tensor  # slots of tokens [0, end)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """How attention reads the cache this step (the same for every layer, so built once).
+
+    Single-token decodes share one padded, masked attention call; every other item
+    (a prefill chunk) gets its own call over its context.
+    """
+
+    new_slots: torch.Tensor  # cache slot of every row computed this step
+    prefills: list[tuple[slice, torch.Tensor, torch.Tensor | None, bool]]  # rows, context, mask, causal
+    decode_rows: torch.Tensor | None = None  # (B,)
+    decode_slots: torch.Tensor | None = None  # (B, longest)
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, longest)
 
 
 class ModelRunner:
@@ -51,9 +65,46 @@ class ModelRunner:
         self.device = kv.k.device
         self._block_offsets = torch.arange(kv.block_size, device=self.device)
 
-    def _slots(self, seq: Sequence, end: int) -> torch.Tensor:
-        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-        return (table[:, None] * self.kv.block_size + self._block_offsets).reshape(-1)[:end]
+    def _slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """Cache slots of tokens ``[0, length)`` for each block table: (len(tables), length)."""
+        width = -(-length // self.kv.block_size)
+        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], device=self.device)
+        return (table[:, :, None] * self.kv.block_size + self._block_offsets).reshape(len(tables), -1)[
+            :, :length
+        ]
+
+    def _plan(self, items: list[_Item]) -> _Plan:
+        decodes = [it for it in items if it.end - it.start == 1 and it.start > 0]
+        if len(decodes) < 2:
+            decodes = []
+        batched = {id(it) for it in decodes}
+        new_slots: list[torch.Tensor] = []
+        prefills = []
+        for item in items:
+            if id(item) in batched:
+                continue
+            context = self._slots([item.seq.block_table], item.end)[0]
+            mask = None
+            if item.start > 0 and item.end - item.start > 1:
+                cols = torch.arange(item.end, device=self.device)
+                mask = cols[None, :] <= torch.arange(item.start, item.end, device=self.device)[:, None]
+            rows = slice(item.row, item.row + item.end - item.start)
+            prefills.append((rows, context, mask, item.start == 0 and item.end > 1))
+            new_slots.append((rows.start, context[item.start :]))
+        plan = _Plan(torch.empty(0), prefills)
+        if decodes:
+            longest = max(it.end for it in decodes)
+            slots = self._slots([it.seq.block_table for it in decodes], longest)
+            ends = torch.tensor([it.end for it in decodes], device=self.device)
+            plan.decode_rows = torch.tensor([it.row for it in decodes], device=self.device)
+            plan.decode_slots = slots
+            plan.decode_mask = (torch.arange(longest, device=self.device)[None, :] < ends[:, None])[
+                :, None, None
+            ]
+            new_slots += [(it.row, slots[b, it.start : it.end]) for b, it in enumerate(decodes)]
+        new_slots.sort(key=lambda rs: rs[0])
+        plan.new_slots = torch.cat([s for _, s in new_slots])
+        return plan
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -65,18 +116,17 @@ class ModelRunner:
         row = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
-            end = start + n
-            items.append(_Item(seq, start, end, row, self._slots(seq, end)))
-            ids += seq.token_ids[start:end]
-            positions.append(seq.positions_for(start, end))
+            items.append(_Item(seq, start, start + n, row))
+            ids += seq.token_ids[start : start + n]
+            positions.append(seq.positions_for(start, start + n))
             row += n
         hidden = self.lm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
         for item in items:
             self._place_media(hidden, item)
         cos, sin = self.lm.rope(hidden, torch.cat(positions, dim=1).to(self.device))
-        new_slots = torch.cat([item.context[item.start :] for item in items])
+        plan = self._plan(items)
         for layer_idx, layer in enumerate(self.lm.layers):
-            hidden = self._layer(layer_idx, layer, hidden, cos, sin, items, new_slots)
+            hidden = self._layer(layer_idx, layer, hidden, cos, sin, plan)
         last_rows = [
             item.row + item.end - item.start - 1 for item in items if item.end == item.seq.num_tokens
         ]
@@ -91,7 +141,7 @@ class ModelRunner:
                 rows = media.rows[lo - media.start : hi - media.start]
                 hidden[item.row + lo - item.start : item.row + hi - item.start] = rows.to(hidden.dtype)
 
-    def _layer(self, idx, layer, hidden, cos, sin, items, new_slots) -> torch.Tensor:
+    def _layer(self, idx, layer, hidden, cos, sin, plan: _Plan) -> torch.Tensor:
         lm = self.lm
         n = hidden.shape[0]
         residual = hidden
@@ -102,51 +152,30 @@ class ModelRunner:
         v = attn.v_proj(x).view(n, lm.num_kv_heads, lm.head_dim)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         k_cache, v_cache = self.kv.k[idx], self.kv.v[idx]
-        k_cache[new_slots] = k[0].transpose(0, 1)
-        v_cache[new_slots] = v
-        out = self._attention(q, k_cache, v_cache, items)
+        k_cache[plan.new_slots] = k[0].transpose(0, 1)
+        v_cache[plan.new_slots] = v
+        out = self._attention(q, k_cache, v_cache, plan)
         hidden = residual + attn.o_proj(out)
         residual = hidden
         return residual + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def _attention(self, q: torch.Tensor, k_cache, v_cache, items: list[_Item]) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k_cache, v_cache, plan: _Plan) -> torch.Tensor:
         """q: (1, heads, rows, head_dim) → (rows, heads * head_dim)."""
         out = torch.empty_like(q[0].transpose(0, 1))  # (rows, heads, head_dim)
-        decodes = [it for it in items if it.end - it.start == 1 and it.start > 0]
-        batched: set[int] = set()
-        if len(decodes) > 1:
-            self._batched_decode(q, k_cache, v_cache, decodes, out)
-            batched = {id(it) for it in decodes}
-        for item in items:
-            if id(item) in batched:
-                continue
-            rows = slice(item.row, item.row + item.end - item.start)
-            keys = k_cache[item.context].transpose(0, 1)[None]
-            values = v_cache[item.context].transpose(0, 1)[None]
-            query = q[:, :, rows]
-            mask = None
-            causal = item.start == 0 and item.end > 1
-            if item.start > 0 and item.end - item.start > 1:
-                cols = torch.arange(item.end, device=q.device)
-                mask = cols[None, :] <= torch.arange(item.start, item.end, device=q.device)[:, None]
+        scale = self.lm.scaling
+        for rows, context, mask, causal in plan.prefills:
+            keys = k_cache[context].transpose(0, 1)[None]
+            values = v_cache[context].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, is_causal=causal, scale=self.lm.scaling, enable_gqa=True
+                q[:, :, rows], keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
             )
             out[rows] = o[0].transpose(0, 1)
+        if plan.decode_rows is not None:
+            keys = k_cache[plan.decode_slots].transpose(1, 2)  # (B, kv_heads, longest, head_dim)
+            values = v_cache[plan.decode_slots].transpose(1, 2)
+            query = q[0, :, plan.decode_rows].transpose(0, 1)[:, :, None]  # (B, heads, 1, head_dim)
+            o = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+            )
+            out[plan.decode_rows] = o[:, :, 0]
         return out.reshape(out.shape[0], -1)
-
-    def _batched_decode(self, q, k_cache, v_cache, items: list[_Item], out: torch.Tensor) -> None:
-        longest = max(it.end for it in items)
-        slots = torch.zeros(len(items), longest, dtype=torch.long, device=q.device)
-        mask = torch.zeros(len(items), 1, 1, longest, dtype=torch.bool, device=q.device)
-        for b, item in enumerate(items):
-            slots[b, : item.end] = item.context
-            mask[b, 0, 0, : item.end] = True
-        keys = k_cache[slots].transpose(1, 2)  # (B, kv_heads, longest, head_dim)
-        values = v_cache[slots].transpose(1, 2)
-        rows = torch.tensor([it.row for it in items], device=q.device)
-        query = q[0, :, rows].transpose(0, 1)[:, :, None]  # (B, heads, 1, head_dim)
-        o = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=self.lm.scaling, enable_gqa=True
-        )
-        out[rows] = o[:, :, 0]

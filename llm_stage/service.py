@@ -35,6 +35,7 @@ from shared.messages import (
 )
 from shared.rpc import RemoteError, Responder
 from shared.service import serve, setup_logging
+from shared.torch_utils import set_threads
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,12 @@ class LLMService:
         cached, probe_id = 0, 0
         if self.cfg.prefix_cache:
             ids = msg.prompt_token_ids.tolist()
-            root = root_hash(self.spec.weights_fingerprint, msg.salt)
-            hashes = block_hashes(ids, msg.spans, self.cfg.block_size, root)
+            hashes = msg.block_hashes
+            if msg.block_size != self.cfg.block_size or len(hashes) != len(ids) // self.cfg.block_size:
+                root = root_hash(self.spec.weights_fingerprint, msg.salt)
+                hashes = block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
+            # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
+            # the request's own prefix is matched with hashes this stage computes itself.
             cached, probe_id = self.engine.probe(hashes, ids, min(msg.ttl, 60.0))
         await reply.send(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
 
@@ -111,6 +116,7 @@ class LLMService:
 
     def _sequence(self, msg: GenerateRequest) -> Sequence:
         token_ids = msg.prompt_token_ids.tolist()
+        root = root_hash(self.spec.weights_fingerprint, msg.salt)
         positions, delta = mrope_positions(len(token_ids), msg.spans, self.spec.tokens_per_second)
         sp = msg.sampling
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.spec.eos_token_ids))
@@ -123,10 +129,14 @@ class LLMService:
             rope_delta=delta,
             media=[],
             spans=list(msg.spans),
-            root_hash=root_hash(self.spec.weights_fingerprint, msg.salt),
+            root_hash=root,
             sampling=dataclasses.replace(sp, max_tokens=max_tokens),
             max_model_len=self.engine.max_model_len,
             stop_ids=frozenset(stop),
+            # NOTE: hashed from the tensor now; later blocks (generated tokens) incrementally.
+            block_hashes=block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
+            if self.cfg.prefix_cache
+            else [],
         )
 
     async def _prepare(self, msg: GenerateRequest, seq: Sequence, refs: list[ChunkRef]) -> list[bytes]:
@@ -246,6 +256,7 @@ class LLMService:
 
 def run(cfg: LLMConfig) -> None:
     setup_logging("llm")
+    set_threads(cfg.torch_threads)
     spec = ModelSpec.load(cfg.model)
 
     async def make(ctx: zmq.asyncio.Context):

@@ -36,6 +36,8 @@ def validate(msg: GenerateRequest, spec: ModelSpec, lm: TextLM, max_model_len: i
 def validate_probe(msg: ProbeRequest, spec: ModelSpec, lm: TextLM) -> None:
     _check_prompt(msg.prompt_token_ids, lm.vocab_size)
     _check_spans(msg.prompt_token_ids, msg.spans, spec)
+    if any(not isinstance(h, bytes) or len(h) != 16 for h in msg.block_hashes):
+        raise RequestError("bad_probe", "block hashes are 16-byte digests")
 
 
 def _check_prompt(ids: torch.Tensor, vocab_size: int) -> None:

@@ -47,6 +47,22 @@ def ensure_default_model() -> Path:
     return path
 
 
+def _thread_split(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """Share the cores between the stages instead of letting each take them all.
+
+    Left alone, three torch processes on one machine each start one thread per core and fight;
+    an explicit ``--torch-threads`` (or MMCACHE_TORCH_THREADS) applies to every stage instead.
+    """
+    if args.torch_threads is not None or "MMCACHE_TORCH_THREADS" in os.environ:
+        return {"encoder": {}, "llm": {}, "processor": {}}
+    cores = len(os.sched_getaffinity(0))
+    return {
+        "llm": {"torch_threads": max(1, cores // 2)},
+        "encoder": {"torch_threads": max(1, cores // 4)},
+        "processor": {"torch_threads": max(1, cores // 4)},
+    }
+
+
 def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -59,10 +75,13 @@ def serve(args: argparse.Namespace) -> int:
     model = args.model or os.environ.get("MMCACHE_MODEL") or str(ensure_default_model())
     rundir = Path(tempfile.mkdtemp(prefix="mmcache-"))
     enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
+    threads = _thread_split(args)
     configs = {
-        "encoder": from_args(EncoderConfig, args, model=model, bind=enc_addr),
-        "llm": from_args(LLMConfig, args, model=model, bind=llm_addr),
-        "processor": from_args(ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr),
+        "encoder": from_args(EncoderConfig, args, model=model, bind=enc_addr, **threads["encoder"]),
+        "llm": from_args(LLMConfig, args, model=model, bind=llm_addr, **threads["llm"]),
+        "processor": from_args(
+            ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, **threads["processor"]
+        ),
     }
     children: dict[str, subprocess.Popen] = {}
     stop = {"signal": 0}

@@ -287,8 +287,10 @@ class _Completion:
 
 def run(cfg: ProcessorConfig) -> None:
     from shared.service import setup_logging
+    from shared.torch_utils import set_threads
 
     setup_logging("processor")
+    set_threads(cfg.torch_threads)
     web.run_app(
         init(cfg),
         host=cfg.host,

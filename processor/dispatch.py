@@ -68,7 +68,8 @@ class Dispatcher:
     async def generate(self, prepared: Prepared) -> AsyncIterator[GenerateChunk]:
         """Stream the chosen LLM replica's replies; leaving early aborts the generation."""
         ids = torch.tensor(prepared.token_ids, dtype=torch.int32)
-        route = await self._guard(self.stages.route(ProbeRequest(ids, prepared.spans, prepared.salt), 5.0))
+        probe = ProbeRequest(ids, prepared.spans, prepared.salt)
+        route = await self._guard(self.stages.route(probe, self.timeout))
         sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len)
         placed = self._placed(prepared)
         needed = [p for p in placed if p.end > route.probe.cached_tokens]

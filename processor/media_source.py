@@ -67,7 +67,7 @@ class MediaSource:
                     f"{where}: media is larger than {self.max_bytes} bytes", "media_too_large", where
                 )
             with open(path, "rb") as f:
-                return f.read(self.max_bytes + 1)
+                return f.read(size)
         except OSError as exc:
             raise bad_request(
                 f"{where}: cannot read {path}: {exc.strerror}", "file_not_found", where

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from functools import lru_cache
+
 from transformers import AutoProcessor
 
 from processor.errors import bad_request
@@ -19,6 +22,14 @@ class PromptBuilder:
             raise ValueError(f"{spec.path} has no chat template")
         self.pad_ids = {"image": spec.image_token_id, "video": spec.video_token_id}
         self._pad_texts = [self.tokenizer.convert_ids_to_tokens(i) for i in self.pad_ids.values()]
+        added = sorted(
+            (t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special),
+            key=len,
+            reverse=True,
+        )
+        self._special_ids = {t: self.tokenizer.convert_tokens_to_ids(t) for t in added}
+        self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        self._encode_piece = lru_cache(maxsize=4096)(self._encode_text)
 
     def render(self, messages: list[dict]) -> str:
         for msg in messages:
@@ -33,9 +44,29 @@ class PromptBuilder:
             messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
         )
 
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered chat text, reusing the tokenization of pieces seen before.
+
+        NOTE: special tokens are split out before BPE runs, so the text between two of them is
+        tokenized on its own: encoding piece by piece equals encoding the whole (a test checks).
+        A repeated system prompt or earlier turn is then a cache hit, not a re-tokenization.
+        """
+        if self._split is None:
+            return self._encode_text(text)
+        ids: list[int] = []
+        for i, piece in enumerate(self._split.split(text)):
+            if i % 2:
+                ids.append(self._special_ids[piece])
+            elif piece:
+                ids += self._encode_piece(piece) if len(piece) <= 1 << 16 else self._encode_text(piece)
+        return ids
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def build(self, messages: list[dict], media: list[MediaLayout]) -> tuple[list[int], list[MediaSpan]]:
         """Prompt token ids with each media placeholder expanded to its tokens, and the spans."""
-        ids = self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        ids = self.encode(self.render(messages))
         by_id = {v: k for k, v in self.pad_ids.items()}
         out: list[int] = []
         spans: list[MediaSpan] = []

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 import zmq.asyncio
 
+from shared.block_hash import block_hashes, root_hash
+from shared.keys import Fingerprint
 from shared.messages import Ping, Pong, ProbeReply, ProbeRequest, ReleaseProbe
 from shared.routing import rendezvous
 from shared.rpc import RpcClient
@@ -31,13 +34,31 @@ class StageClients:
     def __init__(self, ctx: zmq.asyncio.Context, encoders: list[str], llms: list[str]):
         self.encoders = {a: RpcClient(ctx, a, "encoder") for a in encoders}
         self.llms = [RpcClient(ctx, a, "llm") for a in llms]
+        self._kv_identity: tuple[bytes, int] | None = None
 
     def encoder_for(self, chunk_key: bytes) -> str:
         """The encoder replica that owns ``chunk_key`` (rendezvous hashing)."""
         return rendezvous(chunk_key, list(self.encoders))
 
+    async def kv_identity(self, timeout: float) -> tuple[bytes, int] | None:
+        """(model fingerprint, block size) of the LLM replicas, learned once from a Pong."""
+        if self._kv_identity is None:
+            for client in self.llms:
+                health = await self.ping(client, timeout)
+                if health.pong is not None:
+                    self._kv_identity = (health.pong.fingerprint, int(health.pong.info["block_size"]))
+                    break
+        return self._kv_identity
+
     async def route(self, probe: ProbeRequest, timeout: float) -> Route:
         """Probe every LLM replica; take the longest cached prefix, then the lightest load."""
+        identity = await self.kv_identity(timeout)
+        if identity is not None:
+            fp, size = identity
+            hashes = block_hashes(
+                probe.prompt_token_ids, probe.spans, size, root_hash(Fingerprint(fp), probe.salt)
+            )
+            probe = dataclasses.replace(probe, block_size=size, block_hashes=hashes)
         replies = await asyncio.gather(
             *(c.call(probe, timeout=timeout) for c in self.llms), return_exceptions=True
         )

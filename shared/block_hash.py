@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import NewType
 
 import numpy as np
+import torch
 import xxhash
 
 from shared.keys import Fingerprint, hash_fields, salt_bytes
@@ -24,7 +25,7 @@ from shared.messages import MediaSpan
 
 BlockHash = NewType("BlockHash", bytes)
 
-_OFFSET = struct.Struct("<q")
+_EXTRA = struct.Struct("<16sq")  # chunk key, block start - chunk start
 _digest = xxhash.xxh3_128_digest
 
 
@@ -44,34 +45,54 @@ def _chunk_intervals(spans: Sequence[MediaSpan]) -> list[tuple[int, int, bytes]]
 
 
 def block_hashes(
-    token_ids: Sequence[int] | np.ndarray,
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,
     spans: Sequence[MediaSpan],
     block_size: int,
     root: BlockHash,
     known: Sequence[BlockHash] = (),
 ) -> list[BlockHash]:
-    """Hashes of all full blocks of ``token_ids``; ``known`` is a prefix already computed."""
+    """Hashes of all full blocks of ``token_ids``; ``known`` is a prefix already computed.
+
+    NOTE: pass a tensor or an array when you have one: turning a Python list into bytes
+    costs more than hashing them.
+    """
     num_blocks = len(token_ids) // block_size
     hashes = list(known[:num_blocks])
     if len(hashes) == num_blocks:
         return hashes
     first = len(hashes)
-    tokens = np.asarray(token_ids[first * block_size : num_blocks * block_size], dtype="<i4").tobytes()
+    tokens = _int32_bytes(token_ids[first * block_size : num_blocks * block_size])
     width = 4 * block_size
-    chunks = _chunk_intervals(spans) if spans else []
-    lo = 0  # first chunk that can still overlap
     prev = hashes[-1] if hashes else root
-    for i in range(first, num_blocks):
-        begin, end = i * block_size, (i + 1) * block_size
-        body = tokens[(i - first) * width : (i - first + 1) * width]
-        while lo < len(chunks) and chunks[lo][1] <= begin:
-            lo += 1
-        extra = b""
-        j = lo
-        while j < len(chunks) and chunks[j][0] < end:
-            start, _, key = chunks[j]
-            extra += key + _OFFSET.pack(begin - start)
-            j += 1
-        prev = BlockHash(_digest(prev + body + extra))
-        hashes.append(prev)
+    extras = _block_extras(_chunk_intervals(spans), block_size, first, num_blocks) if spans else {}
+    # Runs of text-only blocks take the fast path: one concatenation and one digest per block.
+    i = first
+    for stop in [*sorted(extras), num_blocks]:
+        for offset in range((i - first) * width, (stop - first) * width, width):
+            prev = _digest(prev + tokens[offset : offset + width])
+            hashes.append(prev)
+        if stop < num_blocks:
+            offset = (stop - first) * width
+            prev = _digest(prev + tokens[offset : offset + width] + extras[stop])
+            hashes.append(prev)
+        i = stop + 1
     return hashes
+
+
+def _block_extras(
+    chunks: list[tuple[int, int, bytes]], block_size: int, first: int, stop: int
+) -> dict[int, bytes]:
+    """Block index → (chunk key, block start - chunk start) of every chunk overlapping it, in order."""
+    extras: dict[int, bytes] = {}
+    pack = _EXTRA.pack
+    for start, end, key in chunks:
+        for i in range(max(first, start // block_size), min(stop, -(-end // block_size))):
+            piece = pack(key, i * block_size - start)
+            extras[i] = extras[i] + piece if i in extras else piece
+    return extras
+
+
+def _int32_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.numpy()
+    return np.asarray(tokens, dtype="<i4").tobytes()

@@ -101,10 +101,9 @@ class EncoderConfig:
     bind: str = opt("tcp://0.0.0.0:5556", "ZeroMQ address the encoder binds")
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = opt("auto", "weights dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    max_batch_tokens: int = opt(
-        16384, "most patches in one vision forward (chunks of several requests batch)"
-    )
+    max_batch_tokens: int = opt(4096, "most patches in one vision forward (chunks of several requests batch)")
     max_queue: int = opt(4096, "most chunks waiting for a forward; more are refused with 503")
+    torch_threads: int = opt(0, "torch intra-op CPU threads (0 = torch's default: every core)")
     encoder_cache_gb: float = opt(2.0, "embedding cache size, GiB (0 disables)")
     handoff_ttl: float = opt(60.0, "seconds an encoded chunk stays pinned waiting for its LLM fetch")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
@@ -112,6 +111,7 @@ class EncoderConfig:
     def __post_init__(self) -> None:
         _positive("max_batch_tokens", self.max_batch_tokens)
         _positive("max_queue", self.max_queue)
+        _positive("torch_threads", self.torch_threads, allow_zero=True)
         _positive("encoder_cache_gb", self.encoder_cache_gb, allow_zero=True)
         _positive("handoff_ttl", self.handoff_ttl)
 
@@ -134,6 +134,7 @@ class LLMConfig:
     num_kv_blocks: int = opt(0, "KV blocks in the pool (0 = as many as --kv-cache-gb holds)")
     max_queue: int = opt(1024, "most requests waiting; more are refused with 503")
     fetch_timeout: float = opt(30.0, "seconds to wait for embedding rows from an encoder")
+    torch_threads: int = opt(0, "torch intra-op CPU threads (0 = torch's default: every core)")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
     no_prefix_cache: bool = opt(False, "disable the KV prefix cache only")
 
@@ -149,6 +150,7 @@ class LLMConfig:
             _positive(name, getattr(self, name))
         _positive("max_model_len", self.max_model_len, allow_zero=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_zero=True)
+        _positive("torch_threads", self.torch_threads, allow_zero=True)
 
     @property
     def prefix_cache(self) -> bool:
@@ -178,6 +180,7 @@ class ProcessorConfig:
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
     max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
+    torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
@@ -199,6 +202,7 @@ class ProcessorConfig:
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
+        _positive("torch_threads", self.torch_threads, allow_zero=True)
         if not split_list(self.encoder) or not split_list(self.llm):
             raise ValueError("--encoder and --llm need at least one address each")
 

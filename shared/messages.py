@@ -174,6 +174,10 @@ class ProbeRequest:
     spans: list[MediaSpan]
     salt: str | None = None
     ttl: float = 10.0
+    # The prompt's block hashes, computed once by the processor for every replica it probes;
+    # a replica with another block size (or when absent) computes its own.
+    block_size: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @message

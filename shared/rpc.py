@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from shared.messages import Abort, ErrorReply
-from shared.wire import decode, encode
+from shared.wire import decode, encode, peek_rid
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,10 @@ class RpcServer:
                 msg, env = decode(frames[1:])
             except Exception as exc:  # nothing a peer sends may stop this loop
                 log.warning("%s: bad request: %s", self._name, exc)
-                rid = 0
-                await Responder(self, identity, rid).send(ErrorReply("bad_message", str(exc), 400))
+                # Answer the request id if the envelope is readable, so the caller fails fast.
+                await Responder(self, identity, peek_rid(frames[1:])).send(
+                    ErrorReply("bad_message", str(exc), 400)
+                )
                 continue
             responder = Responder(self, identity, int(env.get("rid", 0)))
             task = asyncio.get_running_loop().create_task(self._run(msg, responder))

@@ -22,3 +22,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
+
+
+def set_threads(n: int) -> None:
+    """Bound torch's intra-op CPU threads (0 keeps torch's default)."""
+    if n > 0:
+        torch.set_num_threads(n)

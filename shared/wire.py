@@ -114,6 +114,16 @@ def decode(frames: list[Any]) -> tuple[Any, dict[str, Any]]:
     return body, env
 
 
+def peek_rid(frames: list[Any]) -> int:
+    """The request id of a message whose body cannot be decoded (0 when unreadable too)."""
+    try:
+        header = msgpack.unpackb(_buffer(frames[1]), raw=False, strict_map_key=False)
+        rid = header["env"]["rid"]
+        return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+    except Exception:
+        return 0
+
+
 def _buffer(frame: Any) -> memoryview:
     buf = getattr(frame, "buffer", None)
     return buf if buf is not None else memoryview(frame)

@@ -75,6 +75,8 @@ def test_tower_holds_only_vision_weights(env: Env):
     names = [n for n, _ in env.tower.model.named_parameters()]
     assert names and not any("language_model" in n or "lm_head" in n or "embed_tokens" in n for n in names)
     hf_visual = dict(env.hf_model.model.visual.named_parameters())
+    # The patch embedding runs as a matmul: HF's Conv3d kernel, flattened.
+    hf_visual["patch_embed.weight"] = hf_visual.pop("patch_embed.proj.weight").flatten(1)
     assert set(names) == set(hf_visual)
     for name, param in env.tower.model.named_parameters():
         assert torch.equal(param, hf_visual[name]), name

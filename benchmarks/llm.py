@@ -1,0 +1,404 @@
+"""End-to-end through ``mmcache serve`` (three processes, HTTP): throughput, cache overhead, TTFT.
+
+(a) 16 concurrent requests (a distinct 448x448 image + a distinct question each, greedy,
+    max_tokens 32, ignore_eos) against sequential HF ``model.generate`` of the same requests
+    on the same tiny checkpoint in this process (HF processor included), output tokens/s
+    (goal >= 3x). mmcache and HF rounds alternate, so both see the same background load;
+    HF runs with one torch thread (its fastest setting for this model here).
+(b) An all-unique workload (every request its own random prompt, random system message
+    first, so no two share even one block) on a server with the prefix cache on vs one
+    started with ``--no-cache``: output tokens/s ratio (goal >= 0.97x). Rounds alternate
+    between the two servers; every round has new prompts, so nothing repeats.
+(c) TTFT (request sent -> first streamed content chunk) of a request whose long system
+    prompt (~2k tokens) and 448x448 image (a ``data:`` URL) are cached, over the TTFT of a
+    text-only request with the same new question (goal <= 1.5x). Every iteration asks a new question;
+    the two kinds alternate.
+Both servers start at once and are stopped at the end. They run with the environment users
+give them; ``MMCACHE_BENCH_SERVER_THREADS=N`` sets ``OMP_NUM_THREADS=N`` for every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from benchmarks.common import Result, Server, main, median, metric, model_dir, say, spread
+
+THROUGHPUT_GOAL = 3.0
+NO_CACHE_GOAL = 0.97
+TTFT_GOAL = 1.5
+MAX_TOKENS = 32
+IMAGE = 448
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300)
+SYSTEM_WORDS = 600  # (c): a ~2k-token system prompt
+# The servers run as users run them (torch picks its own thread count) unless this is set:
+# MMCACHE_BENCH_SERVER_THREADS=1 gives each stage process OMP_NUM_THREADS=1.
+THREADS = os.environ.get("MMCACHE_BENCH_SERVER_THREADS", "")
+
+_SYLLABLES = [
+    a + b
+    for a in ("", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "v", "w")
+    for b in ("a", "e", "i", "o", "u", "an", "en", "or", "is", "ul")
+]
+
+
+def words(rng: np.random.Generator, n: int) -> str:
+    """``n`` random pronounceable words (distinct text for every seed)."""
+    counts = rng.integers(1, 4, n)
+    picks = rng.integers(0, len(_SYLLABLES), int(counts.sum()))
+    out, i = [], 0
+    for c in counts:
+        out.append("".join(_SYLLABLES[j] for j in picks[i : i + c]))
+        i += c
+    return " ".join(out)
+
+
+def user(*parts: dict) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def body(model: str, messages: list[dict], max_tokens: int = MAX_TOKENS, stream: bool = False) -> dict:
+    out = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    if stream:
+        out["stream"] = True
+        out["stream_options"] = {"include_usage": True}
+    return out
+
+
+async def complete(session: aiohttp.ClientSession, server: Server, payload: dict) -> dict:
+    async with session.post(server.url + "/v1/chat/completions", json=payload) as resp:
+        data = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {data}")
+        return data
+
+
+async def ttft(session: aiohttp.ClientSession, server: Server, payload: dict) -> tuple[float, dict]:
+    """Seconds to the first chunk with content, and the usage of the stream."""
+    start = time.perf_counter()
+    first = None
+    usage: dict = {}
+    async with session.post(server.url + "/v1/chat/completions", json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                if first is None and choice.get("delta", {}).get("content"):
+                    first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError("the stream carried no content")
+    return first, usage
+
+
+async def _batch(session, server: Server, payloads: list[dict]) -> tuple[float, int, list[dict]]:
+    """Send all at once; (wall seconds, completion tokens, responses)."""
+    start = time.perf_counter()
+    replies = await asyncio.gather(*(complete(session, server, p) for p in payloads))
+    wall = time.perf_counter() - start
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    return wall, tokens, replies
+
+
+async def _warm(session, server: Server, payloads: list[dict], attempts: int = 3) -> None:
+    """Warm-up batch; a fresh server on a busy machine may refuse the very first requests
+    (seen: 504 from the 5 s probe timeout), so retry a bounded number of times and say so."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await _batch(session, server, payloads)
+            return
+        except RuntimeError as exc:
+            say(f"  WARNING: warm-up attempt {attempt} on {server.url} failed: {exc}")
+            if attempt == attempts:
+                raise
+            await asyncio.sleep(2.0)
+
+
+# --- (a) throughput vs HF -------------------------------------------------------------------------------
+
+
+def _throughput_requests(model: str, media: Path, seed: int, n: int) -> tuple[list[dict], list[tuple]]:
+    """n requests (a distinct image file + a distinct question); also the HF form of each."""
+    from tests.media import image_bytes
+
+    rng = np.random.default_rng(seed)
+    payloads, hf = [], []
+    for i in range(n):
+        data = image_bytes(IMAGE, IMAGE, seed=seed * 1000 + i)
+        path = media / f"tp-{seed}-{i}.png"
+        path.write_bytes(data)
+        question = "Describe this picture: " + words(rng, 12)
+        payloads.append(body(model, [user(image(f"file://{path}"), text(question))]))
+        hf.append((data, question))
+    return payloads, hf
+
+
+async def throughput(session, server: Server, model: str, media: Path, hf, quick: bool) -> dict:
+    """Rounds of 16 concurrent requests, each round followed by HF on the same requests (so both
+    see the same background load)."""
+    n = 16
+    rounds = 1 if quick else 3
+    hf_per_round = 4 if quick else n
+    warm, warm_hf = _throughput_requests(model, media, 900, 4)
+    await _warm(session, server, warm)
+    hf(warm_hf[:1], 60.0)
+    ours, theirs = [], []
+    for r in range(rounds):
+        payloads, hf_requests = _throughput_requests(model, media, 100 + r, n)
+        wall, tokens, _ = await _batch(session, server, payloads)
+        assert tokens == n * MAX_TOKENS, tokens
+        ours.append(tokens / wall)
+        hf_wall, hf_tokens = hf(hf_requests[:hf_per_round], 5.0 if quick else 15.0)
+        theirs.append(hf_tokens / hf_wall)
+        say(
+            f"  round {r}: mmcache {n} concurrent requests, {tokens} tokens in {wall:.2f} s "
+            f"({ours[-1]:.1f} tokens/s); HF sequential {hf_tokens // MAX_TOKENS} requests, "
+            f"{hf_tokens} tokens in {hf_wall:.2f} s ({theirs[-1]:.1f} tokens/s)"
+        )
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return {"ratio": median(ratios), "ours": median(ours), "hf": median(theirs)}
+
+
+def hf_generator(model_path: Path):
+    """``hf(requests, budget_s) -> (seconds, new tokens)``: plain transformers, one request after
+    another (until done or ``budget_s`` has passed), HF processor included (as mmcache's time
+    includes its preprocessing). It runs with one torch thread: for this tiny model that is HF's
+    fastest setting on a small machine (two threads only add OpenMP barrier waits), and it keeps
+    the baseline from collapsing when other processes want the cores."""
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    processor = AutoProcessor.from_pretrained(model_path)
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
+
+    def one(data: bytes, question: str) -> int:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=[prompt], images=[img], return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(
+                **inputs, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False
+            )
+        return out.shape[1] - inputs["input_ids"].shape[1]
+
+    def run(requests: list[tuple], budget_s: float) -> tuple[float, int]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            tokens = 0
+            for r in requests:
+                tokens += one(*r)
+                if time.perf_counter() - start > budget_s:
+                    break
+            return time.perf_counter() - start, tokens
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+# --- (b) prefix cache on vs off, all-unique ------------------------------------------------------------
+
+
+def _unique_requests(model: str, seed: int, n: int, num_words: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        body(
+            model,
+            [
+                {"role": "system", "content": words(rng, 8)},
+                {"role": "user", "content": words(rng, num_words)},
+            ],
+        )
+        for _ in range(n)
+    ]
+
+
+async def cache_overhead(session, on: Server, off: Server, model: str, quick: bool) -> dict:
+    """Rounds of n concurrent unique requests, the same payloads to both servers, in ABBA order;
+    the ratio is the median over rounds of (on / off) measured back to back."""
+    n = 8 if quick else 16
+    num_words = 100 if quick else 200
+    rounds = 4 if quick else 6
+    seed = iter(range(10_000, 20_000))
+    for server in (on, off):
+        await _warm(session, server, _unique_requests(model, next(seed), 4, num_words))
+    before = on.metrics()
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    prompt_tokens = 0
+    deadline = time.monotonic() + (20 if quick else 90)
+    for r in range(rounds):
+        payloads = _unique_requests(model, next(seed), n, num_words)
+        order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
+        for name, server in order:
+            wall, tokens, replies = await _batch(session, server, payloads)
+            assert tokens == n * MAX_TOKENS, tokens
+            cached = sum(x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in replies)
+            assert cached == 0, f"an all-unique workload hit the prefix cache ({cached} tokens)"
+            prompt_tokens = sum(x["usage"]["prompt_tokens"] for x in replies) // n
+            rates[name].append(tokens / wall)
+        say(
+            f"  round {r}: {n} requests, output tokens/s cache on {rates['on'][-1]:.1f}, "
+            f"--no-cache {rates['off'][-1]:.1f}"
+        )
+        if time.monotonic() > deadline and r >= 1:
+            break
+    after = on.metrics()
+    hits = metric(after, "mmcache_llm_prefix_hits") - metric(before, "mmcache_llm_prefix_hits")
+    say(f"  ~{prompt_tokens} prompt tokens per request; prefix-cache hits during the run: {hits:.0f} tokens")
+    pairs = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
+    return {"ratio": median(pairs), "on": median(rates["on"]), "off": median(rates["off"])}
+
+
+# --- (c) TTFT with cached image + system prompt ---------------------------------------------------------
+
+
+async def ttft_cached(session, server: Server, model: str, quick: bool) -> dict:
+    from tests.media import data_url, image_bytes
+
+    rng = np.random.default_rng(5)
+    system = {"role": "system", "content": "You are a careful assistant. " + words(rng, SYSTEM_WORDS)}
+    url = data_url(image_bytes(IMAGE, IMAGE, seed=77), "image/png")
+
+    def cached_request(question: str) -> dict:
+        return body(model, [system, user(image(url), text(question))], max_tokens=4, stream=True)
+
+    def text_request(question: str) -> dict:
+        return body(model, [user(text(question))], max_tokens=4, stream=True)
+
+    def text_system_request(question: str) -> dict:
+        return body(model, [system, user(text(question))], max_tokens=4, stream=True)
+
+    # the first request puts the system prompt and the image into every cache tier
+    _, usage = await ttft(session, server, cached_request("Warm up, please. " + words(rng, 10)))
+    long_prompt = usage["prompt_tokens"]
+    for _ in range(2):
+        await ttft(session, server, text_request(words(rng, 10) + "?"))
+        await ttft(session, server, text_system_request(words(rng, 10) + "?"))
+    n = 6 if quick else 25
+    times: dict[str, list[float]] = {"cached": [], "text": [], "text+system": []}
+    cached_tokens = []
+    deadline = time.monotonic() + (15 if quick else 60)
+    for _ in range(n):
+        question = "Now tell me: " + words(rng, 10) + "?"
+        t, usage = await ttft(session, server, cached_request(question))
+        times["cached"].append(t)
+        cached_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
+        assert usage["mm_cache"]["processor_hits"] == 1, usage
+        t, _ = await ttft(session, server, text_request(question))
+        times["text"].append(t)
+        t, _ = await ttft(session, server, text_system_request(question))
+        times["text+system"].append(t)
+        if time.monotonic() > deadline and len(times["cached"]) >= 3:
+            break
+    say(f"  cached request: {long_prompt} prompt tokens, {median(cached_tokens):.0f} of them cached")
+    say(f"  TTFT, cached system prompt + image + new question: {spread(times['cached'])}")
+    say(f"  TTFT, text-only new question: {spread(times['text'])}")
+    say(f"  TTFT, cached system prompt + new question (no image): {spread(times['text+system'])}")
+    return {k: median(v) for k, v in times.items()} | {"cached_tokens": median(cached_tokens)}
+
+
+async def _served(model_path: Path, media: Path, quick: bool) -> tuple[dict, dict, dict]:
+    hf = hf_generator(model_path)
+    start = time.perf_counter()
+    env = {"OMP_NUM_THREADS": THREADS} if THREADS else None
+    on = Server(model_path, media_dir=media, env=env, wait=False)
+    off = Server(model_path, "--no-cache", media_dir=media, env=env, wait=False)
+    try:
+        on.wait_healthy()
+        off.wait_healthy()
+        say(f"  two servers healthy in {time.perf_counter() - start:.1f} s")
+        model = on.model_name()
+        async with aiohttp.ClientSession(timeout=REQUEST_TIMEOUT) as session:
+            say("# llm (b): all-unique workload, prefix cache on vs --no-cache")
+            overhead = await cache_overhead(session, on, off, model, quick)
+            off.stop()
+            say("# llm (a): 16 concurrent requests vs sequential HF generate")
+            tput = await throughput(session, on, model, media, hf, quick)
+            say("# llm (c): TTFT with a cached system prompt and image vs a text-only request")
+            first = await ttft_cached(session, on, model, quick)
+    finally:
+        for server in (on, off):
+            leftover = server.stop()
+            if leftover:
+                say(f"  WARNING: had to kill leftover processes {sorted(leftover)}")
+    return tput, overhead, first
+
+
+def run(quick: bool = False) -> list[Result]:
+    model_path = model_dir()
+    media = Path(tempfile.mkdtemp(prefix="mmcache-bench-llm-"))
+    try:
+        tput, overhead, first = asyncio.run(_served(model_path, media, quick))
+    finally:
+        shutil.rmtree(media, ignore_errors=True)
+    return [
+        Result(
+            "llm.throughput_vs_hf",
+            "output tokens/s, 16 concurrent image requests via mmcache / sequential HF generate",
+            tput["ratio"],
+            THROUGHPUT_GOAL,
+            details={"mmcache_tps": tput["ours"], "hf_tps": tput["hf"]},
+        ),
+        Result(
+            "llm.cache_overhead",
+            "output tokens/s on an all-unique workload, prefix cache on / --no-cache",
+            overhead["ratio"],
+            NO_CACHE_GOAL,
+            details={"on_tps": overhead["on"], "off_tps": overhead["off"]},
+        ),
+        Result(
+            "llm.ttft_cached_media",
+            "TTFT, cached system prompt + image + new question / text-only new question",
+            first["cached"] / first["text"],
+            TTFT_GOAL,
+            higher_is_better=False,
+            details={
+                "ttft_cached_s": first["cached"],
+                "ttft_text_s": first["text"],
+                "ttft_text_system_s": first["text+system"],
+                "cached_over_text_system": first["cached"] / first["text+system"],
+            },
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    main(run, __doc__)
