@@ -18,6 +18,7 @@ from shared.keys import MediaKey
 Make = Callable[[], Awaitable[MediaLayout]]
 
 ENTRY_OVERHEAD = 512  # bytes per entry beyond its pixels (layout object, keys, dict slot)
+MAX_ALIASES = 1 << 16  # data: URL aliases kept (about 100 bytes each)
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class MediaCache:
         self.capacity = capacity_bytes
         self._entries: OrderedDict[MediaKey, MediaLayout] = OrderedDict()
         self._inflight: dict[MediaKey, asyncio.Future[MediaLayout]] = {}
+        self._aliases: OrderedDict[bytes, MediaKey] = OrderedDict()
         self.nbytes = 0
         self.stats = CacheStats()
 
@@ -42,6 +44,19 @@ class MediaCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def alias(self, alias: bytes, key: MediaKey) -> None:
+        """Remember that ``alias`` (e.g. a data: URL's text) names the media ``key``."""
+        self._aliases[alias] = key
+        self._aliases.move_to_end(alias)
+        if len(self._aliases) > MAX_ALIASES:
+            self._aliases.popitem(last=False)
+
+    def aliased(self, alias: bytes) -> MediaKey | None:
+        key = self._aliases.get(alias)
+        if key is not None:
+            self._aliases.move_to_end(alias)
+        return key
 
     def get(self, key: MediaKey) -> MediaLayout | None:
         layout = self._entries.get(key)

@@ -21,7 +21,7 @@ from processor.preprocess import MediaLayout, Preprocessor
 from processor.prompt import PromptBuilder
 from processor.request import ChatRequest, MediaRef
 from shared.config import ProcessorConfig
-from shared.keys import media_key, uuid_media_key
+from shared.keys import data_url_alias, media_key, uuid_media_key
 from shared.messages import MediaSpan, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -120,8 +120,17 @@ class Pipeline:
                     ref.param,
                 )
         else:
-            data = await self.source.fetch(ref.url, ref.param)
-            key = media_key(salt, ref.modality, data, fp)
+            # NOTE: a repeated data: URL is known by a hash of its text, so a hit skips even the
+            # base64 decoding; the cache entry itself stays keyed by the raw bytes.
+            alias = data_url_alias(salt, ref.modality, ref.url, fp) if self.cache.enabled else None
+            known = self.cache.aliased(alias) if alias else None
+            if known is not None:
+                key = known
+            else:
+                data = await self.source.fetch(ref.url, ref.param)
+                key = media_key(salt, ref.modality, data, fp)
+                if alias:
+                    self.cache.alias(alias, key)
 
         async def make() -> MediaLayout:
             raw = data if data is not None else await self.source.fetch(ref.url, ref.param)

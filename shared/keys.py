@@ -60,6 +60,16 @@ def uuid_media_key(salt: str | None, modality: str, uuid: str, processor_fp: Fin
     )
 
 
+def data_url_alias(salt: str | None, modality: str, url: str, processor_fp: Fingerprint) -> bytes | None:
+    """A name for a ``data:`` URL's text, so a repeat is found without base64-decoding it again.
+
+    Only an alias: the processor maps it to the :func:`media_key` of the decoded bytes.
+    """
+    if url[:5].lower() != "data:":
+        return None
+    return hash_fields(b"data-url", salt_bytes(salt), modality.encode(), url.encode(), processor_fp)
+
+
 def chunk_key(salt: str | None, pixels: _Bytes, shape: Iterable[int], processor_fp: Fingerprint) -> ChunkKey:
     """Identity of one encoder chunk from its decoded uint8 pixels (and their shape)."""
     dims = tuple(shape)

@@ -90,6 +90,37 @@ async def test_a_failed_decode_is_not_cached(tiny_model, tmp_path):
     assert pipe.cache.stats.decodes == 2 and len(pipe.cache) == 0
 
 
+async def test_repeated_data_url_skips_even_base64_decoding(tiny_model, tmp_path):
+    from tests.media import data_url
+
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    fetched = []
+    real_fetch = pipe.source.fetch
+
+    async def counting_fetch(url, where):
+        fetched.append(url)
+        return await real_fetch(url, where)
+
+    pipe.source.fetch = counting_fetch
+    url = data_url(image_bytes(300, 200, seed=5), "image/png")
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+    }
+    first = await pipe.prepare(parse_chat_request(body))
+    second = await pipe.prepare(parse_chat_request(body))
+    assert len(fetched) == 1 and second.report.processor_hits == 1
+    assert second.media[0] is first.media[0]
+    # The same bytes under another salt are another entry, found by its own alias.
+    salted = await pipe.prepare(parse_chat_request({**body, "cache_salt": "s"}))
+    assert salted.report.processor_misses == 1 and len(fetched) == 2
+    # If the entry is evicted, the alias still leads back to the bytes: decoded again, same layout.
+    pipe.cache._entries.clear()
+    third = await pipe.prepare(parse_chat_request(body))
+    assert third.report.processor_misses == 1 and len(fetched) == 3
+    assert [c.key for c in third.media[0].chunks] == [c.key for c in first.media[0].chunks]
+
+
 def test_every_processor_setting_changes_the_fingerprint(tiny_model, tmp_path):
     base = Preprocessor(str(tiny_model), 2.0, 64).fingerprint
     assert Preprocessor(str(tiny_model), 1.0, 64).fingerprint != base
