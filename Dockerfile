@@ -17,7 +17,6 @@ COPY processor ./processor
 COPY encoder_stage ./encoder_stage
 COPY llm_stage ./llm_stage
 COPY mmcache ./mmcache
-COPY benchmarks ./benchmarks
 RUN pip install .
 
 ENTRYPOINT ["mmcache"]

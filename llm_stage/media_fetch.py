@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import torch
 import zmq.asyncio
 
 from llm_stage.sequence import MediaRows, Sequence
@@ -63,37 +64,58 @@ class MediaFetcher:
         return client
 
     async def fetch(self, seq: Sequence, refs: list[ChunkRef], start: int, end: int) -> list[MediaRows]:
-        """Rows for the media tokens in ``[start, end)``; raises :class:`MissingEmbeddings`."""
+        """Rows for the media tokens in ``[start, end)``; raises :class:`MissingEmbeddings`.
+
+        One fetch per distinct chunk, even when the prompt holds it twice (the same image sent
+        again): its hand-off pin is released by that single read.
+        """
         wanted = [r for r in refs if r.end > start and r.start < end]
         self.stats.chunks_skipped += sum(1 for r in refs if r.end <= start)
-        results = await asyncio.gather(*(self._one(r, start, end) for r in wanted), return_exceptions=True)
+        spans: dict[tuple[bytes, str], tuple[int, int, bool]] = {}  # rows to read per chunk
+        for r in wanted:
+            lo, hi = max(start, r.start) - r.start, min(end, r.end) - r.start
+            old = spans.get((r.key, r.source))
+            spans[(r.key, r.source)] = (
+                (lo, hi, r.handoff)
+                if old is None
+                else (min(old[0], lo), max(old[1], hi), old[2] or r.handoff)
+            )
+        results = await asyncio.gather(
+            *(self._one(key, source, *rows) for (key, source), rows in spans.items()), return_exceptions=True
+        )
         missing = [
-            r.key for r, res in zip(wanted, results, strict=True) if isinstance(res, MissingEmbeddings)
+            key for (key, _), res in zip(spans, results, strict=True) if isinstance(res, MissingEmbeddings)
         ]
         if missing:
             raise MissingEmbeddings(missing)
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return [res for res in results if isinstance(res, MediaRows)]
+        read = {ks: (rows[0], res) for (ks, rows), res in zip(spans.items(), results, strict=True)}
+        out = []
+        for r in wanted:
+            first, rows = read[(r.key, r.source)]
+            lo, hi = max(start, r.start) - r.start, min(end, r.end) - r.start
+            out.append(MediaRows(r.start + lo, rows[lo - first : hi - first]))
+        return out
 
-    async def _one(self, ref: ChunkRef, start: int, end: int) -> MediaRows:
-        lo, hi = max(start, ref.start), min(end, ref.end)
-        request = FetchRequest(ref.key, lo - ref.start, hi - ref.start, release=ref.handoff)
+    async def _one(self, key: bytes, source: str, lo: int, hi: int, release: bool) -> torch.Tensor:
         try:
-            reply = await self.client(ref.source).call(request, timeout=self._timeout)
+            reply = await self.client(source).call(
+                FetchRequest(key, lo, hi, release=release), timeout=self._timeout
+            )
         except RemoteError as exc:
             if exc.reply.code == "embedding_missing":
-                raise MissingEmbeddings([ref.key]) from exc
+                raise MissingEmbeddings([key]) from exc
             raise
         rows = reply.rows
         if tuple(rows.shape) != (hi - lo, self._hidden) or not rows.is_floating_point():
             raise RuntimeError(
-                f"encoder {ref.source} sent rows of shape {tuple(rows.shape)}, want {(hi - lo, self._hidden)}"
+                f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {(hi - lo, self._hidden)}"
             )
         self.stats.fetches += 1
         self.stats.rows += hi - lo
-        return MediaRows(lo, rows)
+        return rows
 
     def close(self) -> None:
         for client in self._clients.values():

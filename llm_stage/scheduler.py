@@ -77,6 +77,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             verdict = self._admit(seq, budget)
+            if verdict is _Admit.NO_ROOM and not self.running and not batch and self._release_waiting_holds():
+                verdict = self._admit(seq, budget)
             if verdict is _Admit.NO_ROOM:
                 break
             self.waiting.popleft()
@@ -115,6 +117,16 @@ class Scheduler:
             self.blocks.stats.queries += seq.num_prompt_tokens
             self.blocks.stats.hits += seq.num_cached_tokens
         return _Admit.RUN
+
+    def _release_waiting_holds(self) -> bool:
+        """Nothing runs and the head cannot start: the prefixes other waiting sequences hold are
+        what fills the pool. Let them go (those sequences fetch their rows again when admitted)."""
+        released = False
+        for seq in list(self.waiting)[1:]:
+            if seq.block_table:
+                self.blocks.free_seq(seq)
+                released = True
+        return released
 
     def _reserve(self, seq: Sequence, num_tokens: int, batch: list[tuple[Sequence, int]]) -> bool:
         """Blocks for ``seq``'s first ``num_tokens``, preempting newer sequences if needed."""

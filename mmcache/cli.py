@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run the benchmarks and print their ratios")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    bench.add_argument("--quick", action="store_true", help="the short versions (seconds, not minutes)")
     return parser
 
 
@@ -57,4 +58,4 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "bench":
         from mmcache.bench import run_benchmarks
 
-        sys.exit(run_benchmarks(args.names))
+        sys.exit(run_benchmarks(args.names, quick=True if args.quick else None))

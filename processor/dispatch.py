@@ -79,7 +79,7 @@ class Dispatcher:
             prompt_token_ids=ids,
             spans=prepared.spans,
             sources=[p.source for p in placed],
-            handoff=[p.end > route.probe.cached_tokens for p in placed],
+            handoff=_flags(placed, needed),
             sampling=sampling,
             salt=prepared.salt,
             probe_id=route.probe.probe_id,
@@ -95,10 +95,12 @@ class Dispatcher:
             if missing is None:
                 return
             log.info("repairing %d chunk(s) that left their encoders", len(missing))
-            repair = [p for p in placed if p.chunk.key in missing]
-            prepared.report.encoder_misses += len(repair)
-            await self._guard(self._encode(repair))
-            request = dataclasses.replace(request, probe_id=0)
+            # Redo step 5 for every chunk the LLM stage may pull: the lookup pins the ones still
+            # there again (the failed attempt's fetches released their pins) and the rest are
+            # encoded from the pixels we hold.
+            needed = [p for p in placed if p.end > route.probe.cached_tokens or p.chunk.key in missing]
+            await self._guard(self._ensure_encoded(prepared, needed))
+            request = dataclasses.replace(request, probe_id=0, handoff=_flags(placed, needed))
         raise APIError(503, "embeddings kept vanishing from the encoders; retry later", "encoder_churn")
 
     async def _stream(
@@ -151,6 +153,12 @@ class Dispatcher:
             raise APIError(504, "a stage did not answer in time", "stage_timeout") from exc
         except ConnectionError as exc:
             raise APIError(503, str(exc), "stage_unavailable") from exc
+
+
+def _flags(placed: list[_Placed], needed: list[_Placed]) -> list[bool]:
+    """Per chunk: does this request hold a hand-off pin for it (it was looked up or encoded)?"""
+    chosen = {id(p) for p in needed}
+    return [id(p) in chosen for p in placed]
 
 
 def as_api_error(exc: RemoteError) -> APIError:

@@ -166,3 +166,16 @@ def test_multi_turn_reuses_the_first_turn(cached, baseline):
     assert out2["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt1 // BLOCK * BLOCK
     assert out2["usage"]["mm_cache"]["prefix_skipped"] == 1
     assert tokens(out2) == tokens(ok(baseline, turn2))
+
+
+def test_the_same_image_twice_in_one_request(cached, baseline):
+    """One chunk, two places: encoded once, fetched once (one hand-off pin), answers agree."""
+    img = image_bytes(224, 224, seed=17)
+    body = chat(name(cached), [image_part(img), {"type": "text", "text": "Same?"}, image_part(img)])
+    before = metrics(cached)
+    out = ok(cached, body)
+    after = metrics(cached)
+    assert out["usage"]["mm_cache"]["encoder_misses"] == 1
+    assert after["mmcache_encoder_forwards"] - before["mmcache_encoder_forwards"] == 1
+    assert after["mmcache_encoder_fetches"] - before["mmcache_encoder_fetches"] == 1
+    assert tokens(out) == tokens(ok(baseline, body))

@@ -169,3 +169,35 @@ def test_scheduler_preempts_newest_and_resumes_from_cache():
     assert a.num_output_tokens == b.num_output_tokens == 12
     assert sched.num_preemptions >= 1
     assert bm.num_free_blocks == 6
+
+
+def test_held_prefixes_of_waiting_sequences_cannot_deadlock_the_pool():
+    """Two requests whose cached prefixes were held before admission fill the pool; neither can
+    start. The scheduler lets the second one's hold go, the first runs, nothing is stuck."""
+    bm = BlockManager(6, B, enable_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    for ids in (list(range(12)), list(range(100, 112))):  # cache two 3-block prefixes
+        admit(bm, s := make_seq(90, ids))
+        bm.free_seq(s)
+    a, b = make_seq(1, [*range(12), 55, 56, 57, 58, 59]), make_seq(2, [*range(100, 112), 66, 67, 68])
+    for seq in (a, b):
+        hashes = seq.update_block_hashes(B)[: (seq.num_tokens - 1) // B]
+        bm.allocate(seq, bm.match_prefix(hashes, seq.token_ids))  # what LLMService does before submit
+        seq.rows_floor = seq.num_computed_tokens
+        sched.add(seq)
+    assert bm.num_free_blocks == 0
+    batch = sched.schedule()
+    assert [s.seq_id for s, _ in batch] == [1]
+    assert b.block_table == []  # its hold was let go ...
+    assert any(s is b for s in [*sched.waiting, *sched.starving])
+    steps = 0
+    while sched.has_work() and steps < 50:
+        batch = sched.schedule()
+        tokens = [7] * sum(1 for s, n in batch if s.num_computed_tokens + n == s.num_tokens)
+        sched.postprocess(batch, tokens)
+        steps += 1
+        if sched.starving:  # ... and, its rows never fetched, it is parked for the service to refetch
+            parked = sched.starving.pop()
+            parked.rows_floor = 0
+            sched.add(parked)
+    assert a.finish_reason == b.finish_reason == "length"
