@@ -42,7 +42,7 @@ STOP_TIMEOUT = 30.0
 
 @dataclass
 class Result:
-    """One measured ratio and its goal.
+    """One measured ratio and its goal (``None``: a figure the issues set no goal for).
 
     ``higher_is_better`` picks the comparison: the goal is ``value >= goal`` or ``value <= goal``.
     """
@@ -50,7 +50,7 @@ class Result:
     name: str
     description: str
     value: float
-    goal: float
+    goal: float | None
     higher_is_better: bool = True
     unit: str = "x"
     note: str = ""
@@ -58,16 +58,22 @@ class Result:
 
     @property
     def passed(self) -> bool:
+        if self.goal is None:
+            return True
         return self.value >= self.goal if self.higher_is_better else self.value <= self.goal
 
     @property
     def status(self) -> str:
+        if self.goal is None:
+            return "INFO"
         return "PASS" if self.passed else "MISS"
 
     def value_text(self) -> str:
         return f"{fmt_num(self.value)}{self.unit}"
 
     def goal_text(self) -> str:
+        if self.goal is None:
+            return "none"
         return f"{'>=' if self.higher_is_better else '<='} {fmt_num(self.goal)}{self.unit}"
 
     def line(self) -> str:

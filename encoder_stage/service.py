@@ -16,6 +16,7 @@ from shared.checkpoint import ModelSpec
 from shared.config import EncoderConfig
 from shared.keys import ChunkKey, embed_key
 from shared.messages import (
+    Abort,
     EncodeItem,
     EncodeReply,
     EncodeRequest,
@@ -60,7 +61,7 @@ class EncoderService:
             await self._encode(msg, reply)
         elif isinstance(msg, Ping):
             await reply.send(self.pong())
-        else:
+        elif not isinstance(msg, Abort):  # an abandoned call: the work is shared, let it finish
             await reply.send(ErrorReply("bad_message", f"encoder does not handle {type(msg).__name__}", 400))
 
     def pong(self) -> Pong:
@@ -166,4 +167,6 @@ def run(cfg: EncoderConfig) -> None:
         service = EncoderService(cfg, tower)
         return service.handle, service.close
 
-    asyncio.run(serve("encoder", cfg.bind, make))
+    asyncio.run(
+        serve("encoder", cfg.bind, make, inline=(FetchRequest, LookupRequest, ReleaseHandoff, Ping, Abort))
+    )

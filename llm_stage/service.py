@@ -265,4 +265,4 @@ def run(cfg: LLMConfig) -> None:
         service = LLMService(cfg, engine, fetcher)
         return service.handle, service.close
 
-    asyncio.run(serve("llm", cfg.bind, make))
+    asyncio.run(serve("llm", cfg.bind, make, inline=(ProbeRequest, ReleaseProbe, Abort, Ping)))

@@ -73,9 +73,9 @@ def _table(rows: list[tuple[str, float, list]], failed: list[str]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(line[:5], widths, strict=True)) + "  " + line[5])
         if i == 0:
             print("  ".join("-" * w for w in widths) + "  " + "-" * 5)
-    misses = sum(1 for _, _, results in rows for r in results if not r.passed)
-    total = sum(len(results) for _, _, results in rows)
-    print(f"{total - misses}/{total} goals met, {misses} MISS, {len(failed)} crashed", flush=True)
+    goals = [r for _, _, results in rows for r in results if r.goal is not None]
+    misses = sum(1 for r in goals if not r.passed)
+    print(f"{len(goals) - misses}/{len(goals)} goals met, {misses} MISS, {len(failed)} crashed", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

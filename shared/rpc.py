@@ -24,6 +24,48 @@ from shared.wire import decode, encode, peek_rid
 log = logging.getLogger(__name__)
 
 
+class _Socket:
+    """An asyncio ZeroMQ socket that sends and receives without futures when it can.
+
+    pyzmq's asyncio layer costs ~100 us of futures and event bookkeeping per message; a
+    non-blocking attempt on a shadow (synchronous) socket usually succeeds, and only when
+    it would block do we await. Sends stay in order: once one had to wait, later ones queue
+    behind it on the asyncio path until it is gone.
+    """
+
+    def __init__(self, sock: zmq.asyncio.Socket):
+        self.sock = sock
+        self._sync = zmq.Socket.shadow(sock.underlying)
+        self._waiting_sends = 0
+
+    async def send(self, frames: list[Any]) -> None:
+        if not self._waiting_sends:
+            try:
+                self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+        self._waiting_sends += 1
+        try:
+            await self.sock.send_multipart(frames, copy=False)
+        finally:
+            self._waiting_sends -= 1
+
+    def send_nowait(self, frames: list[Any]) -> None:
+        """Best effort, never waits (used while a task is being cancelled)."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+
+    async def recv(self) -> list[Any]:
+        try:
+            return self._sync.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return await self.sock.recv_multipart(copy=False)
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close(linger=linger)
+
+
 class RemoteError(RuntimeError):
     """The peer answered with :class:`ErrorReply`."""
 
@@ -38,11 +80,12 @@ class RpcClient:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str = "rpc"):
         self.address = address
         self._name = name
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._sock = _Socket(sock)
         self._ids = itertools.count(1)
-        self._queues: dict[int, asyncio.Queue] = {}
+        self._queues: dict[int, asyncio.Queue | asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
     def _ensure_reader(self) -> None:
@@ -51,25 +94,44 @@ class RpcClient:
 
     async def _read_loop(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            frames = await self._sock.recv()
             try:
                 msg, env = decode(frames)
             except Exception as exc:  # a bad peer must not stop this client
                 log.warning("%s: dropping bad reply from %s: %s", self._name, self.address, exc)
                 continue
-            queue = self._queues.get(env.get("rid"))
-            if queue is not None:  # else: a late reply to a request that timed out
-                queue.put_nowait((msg, env))
+            waiter = self._queues.get(env.get("rid"))
+            if waiter is None:  # a late reply to a request that timed out
+                continue
+            if isinstance(waiter, asyncio.Queue):
+                waiter.put_nowait((msg, env))
+            elif not waiter.done():
+                waiter.set_result((msg, env))
 
     async def _send(self, rid: int, msg: Any) -> None:
-        await self._sock.send_multipart(encode(msg, {"rid": rid}), copy=False)
+        await self._sock.send(encode(msg, {"rid": rid}))
 
     async def call(self, msg: Any, timeout: float | None = None) -> Any:
         """Send ``msg`` and return its single reply; raises :class:`RemoteError` or ``TimeoutError``."""
-        async with self.stream(msg, timeout=timeout) as replies:
-            async for reply in replies:
-                return reply
-        raise RuntimeError("stream ended without a reply")
+        self._ensure_reader()
+        rid = next(self._ids)
+        waiter: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._queues[rid] = waiter  # NOTE: registered before sending, so no reply can be missed
+        try:
+            await self._send(rid, msg)
+            async with asyncio.timeout(timeout):
+                reply, env = await waiter
+        except BaseException:
+            # Timed out or cancelled: tell the server, it may stop working on it.
+            self._sock.send_nowait(encode(Abort(rid), {"rid": 0}))
+            raise
+        finally:
+            self._queues.pop(rid, None)
+        if not env.get("final", True):  # a stream answered a call: keep the first, stop the rest
+            self._sock.send_nowait(encode(Abort(rid), {"rid": 0}))
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply)
+        return reply
 
     def stream(self, msg: Any, timeout: float | None = None) -> _Stream:
         """Send ``msg`` and iterate its replies (``async with client.stream(m) as s: async for r in s``).
@@ -108,11 +170,7 @@ class _Stream:
         self._client._queues.pop(self.rid, None)
         if not self._done:
             # NOTE: runs during cancellation too; the abort must not be awaited there.
-            with contextlib.suppress(zmq.ZMQError):
-                sent = self._client._sock.send_multipart(
-                    encode(Abort(self.rid), {"rid": 0}), flags=zmq.NOBLOCK
-                )
-                sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._client._sock.send_nowait(encode(Abort(self.rid), {"rid": 0}))
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._iterate()
@@ -139,7 +197,7 @@ class Responder:
 
     async def send(self, msg: Any, final: bool = True) -> None:
         frames = encode(msg, {"rid": self.rid, "final": final})
-        await self._server.sock.send_multipart([self.identity, *frames], copy=False)
+        await self._server.sock.send([self.identity, *frames])
 
 
 Handler = Callable[[Any, Responder], Awaitable[None]]
@@ -148,19 +206,30 @@ Handler = Callable[[Any, Responder], Awaitable[None]]
 class RpcServer:
     """ROUTER socket; each request runs ``handler(msg, responder)`` as its own task."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, handler: Handler, name: str = "server"):
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.bind(address)
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        handler: Handler,
+        name: str = "server",
+        inline: tuple[type, ...] = (),
+    ):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(address)
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock = _Socket(sock)
         self._handler = handler
         self._name = name
+        # NOTE: messages of these types are handled in the receive loop itself (no task): their
+        # handlers must not wait on anything but their reply's send.
+        self._inline = inline
         self._tasks: set[asyncio.Task] = set()
 
     async def serve_forever(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await self.sock.recv()
             identity = frames[0].bytes
             try:
                 msg, env = decode(frames[1:])
@@ -172,6 +241,9 @@ class RpcServer:
                 )
                 continue
             responder = Responder(self, identity, int(env.get("rid", 0)))
+            if isinstance(msg, self._inline):
+                await self._run(msg, responder)
+                continue
             task = asyncio.get_running_loop().create_task(self._run(msg, responder))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -25,10 +25,12 @@ async def serve(
     name: str,
     bind: str,
     make_handler: Callable[[zmq.asyncio.Context], Awaitable[tuple[Handler, Callable[[], None]]]],
+    inline: tuple[type, ...] = (),
 ) -> None:
     """Bind ``bind``, answer requests with the handler from ``make_handler`` until a signal arrives.
 
-    ``make_handler`` returns the request handler and a close function for its resources.
+    ``make_handler`` returns the request handler and a close function for its resources;
+    messages of the ``inline`` types are quick and handled without a task of their own.
     """
     ctx = zmq.asyncio.Context()
     loop = asyncio.get_running_loop()
@@ -36,7 +38,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     handler, close = await make_handler(ctx)
-    server = RpcServer(ctx, bind, handler, name)
+    server = RpcServer(ctx, bind, handler, name, inline)
     log.info("%s ready on %s (pid %d)", name, server.address, os.getpid())
     serving = loop.create_task(server.serve_forever())
     stopping = loop.create_task(stop.wait())
