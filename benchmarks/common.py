@@ -11,12 +11,10 @@ import argparse
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mmcache.launcher import die_with_parent
+from tests.e2e.server import alive as _alive
+from tests.e2e.server import descendants, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # ``tests.media`` and the stages, from any working directory
@@ -202,51 +204,7 @@ def model_dir(arch: str = "qwen2-vl") -> Path:
 
 
 # --- processes -----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    # NOTE: a benchmark killed hard must not leave its servers behind.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def descendants(pid: int) -> set[int]:
-    """All live descendants of ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] == "Z":
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+# NOTE: the same process helpers the end-to-end tests use (and the launcher's parent-death signal).
 
 
 _LIVE: set[StageProcess] = set()
@@ -266,7 +224,7 @@ class StageProcess:
             cwd=REPO_ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.tree: set[int] = set()
         _LIVE.add(self)

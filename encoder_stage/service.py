@@ -30,8 +30,7 @@ from shared.messages import (
     ReleaseHandoff,
 )
 from shared.rpc import Responder
-from shared.service import serve, setup_logging
-from shared.torch_utils import set_threads
+from shared.service import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +157,11 @@ class EncoderService:
 
 
 def run(cfg: EncoderConfig) -> None:
-    setup_logging("encoder")
-    set_threads(cfg.torch_threads)
     spec = ModelSpec.load(cfg.model)
 
     async def make(ctx: zmq.asyncio.Context):
-        tower = VisionTower(spec, cfg.device, cfg.dtype)
-        service = EncoderService(cfg, tower)
+        service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
         return service.handle, service.close
 
-    asyncio.run(
-        serve("encoder", cfg.bind, make, inline=(FetchRequest, LookupRequest, ReleaseHandoff, Ping, Abort))
-    )
+    quick = (FetchRequest, LookupRequest, ReleaseHandoff, Ping, Abort)
+    run_stage("encoder", cfg.bind, cfg.torch_threads, make, inline=quick)

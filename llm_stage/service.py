@@ -34,8 +34,7 @@ from shared.messages import (
     ReleaseProbe,
 )
 from shared.rpc import RemoteError, Responder
-from shared.service import serve, setup_logging
-from shared.torch_utils import set_threads
+from shared.service import run_stage
 
 log = logging.getLogger(__name__)
 
@@ -255,8 +254,6 @@ class LLMService:
 
 
 def run(cfg: LLMConfig) -> None:
-    setup_logging("llm")
-    set_threads(cfg.torch_threads)
     spec = ModelSpec.load(cfg.model)
 
     async def make(ctx: zmq.asyncio.Context):
@@ -265,4 +262,4 @@ def run(cfg: LLMConfig) -> None:
         service = LLMService(cfg, engine, fetcher)
         return service.handle, service.close
 
-    asyncio.run(serve("llm", cfg.bind, make, inline=(ProbeRequest, ReleaseProbe, Abort, Ping)))
+    run_stage("llm", cfg.bind, cfg.torch_threads, make, inline=(ProbeRequest, ReleaseProbe, Abort, Ping))

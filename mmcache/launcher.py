@@ -63,7 +63,8 @@ def _thread_split(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     }
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child before exec: get SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -94,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for name, cfg in configs.items():
             cmd = [sys.executable, "-m", "mmcache", name, *to_flags(cfg)]
-            children[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+            children[name] = subprocess.Popen(cmd, preexec_fn=die_with_parent)
         log.info(
             "mmcache serving %s on http://%s:%d (pids %s)",
             model,

@@ -51,3 +51,12 @@ async def serve(
     server.close()
     close()
     ctx.destroy(linger=0)
+
+
+def run_stage(name: str, bind: str, torch_threads: int, make_handler, inline: tuple[type, ...] = ()) -> None:
+    """The body of ``mmcache encoder|llm``: logging, CPU threads, then :func:`serve` until a signal."""
+    from shared.torch_utils import set_threads
+
+    setup_logging(name)
+    set_threads(torch_threads)
+    asyncio.run(serve(name, bind, make_handler, inline))

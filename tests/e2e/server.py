@@ -121,7 +121,7 @@ class Server:
         alive = {pid for pid in tree if Path(f"/proc/{pid}").exists()}
         while alive and time.monotonic() < deadline:
             time.sleep(0.1)
-            alive = {pid for pid in alive if _alive(pid)}
+            alive = {pid for pid in alive if alive(pid)}
         for pid in alive:  # never leak processes into the next test, even when the test fails
             os.kill(pid, signal.SIGKILL)
         if self._log is not subprocess.DEVNULL:
@@ -129,7 +129,7 @@ class Server:
         return alive
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
