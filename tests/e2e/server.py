@@ -118,15 +118,15 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         deadline = time.monotonic() + 10
-        alive = {pid for pid in tree if Path(f"/proc/{pid}").exists()}
-        while alive and time.monotonic() < deadline:
+        left = {pid for pid in tree if Path(f"/proc/{pid}").exists()}
+        while left and time.monotonic() < deadline:
             time.sleep(0.1)
-            alive = {pid for pid in alive if alive(pid)}
-        for pid in alive:  # never leak processes into the next test, even when the test fails
+            left = {pid for pid in left if alive(pid)}
+        for pid in left:  # never leak processes into the next test, even when the test fails
             os.kill(pid, signal.SIGKILL)
         if self._log is not subprocess.DEVNULL:
             self._log.close()
-        return alive
+        return left
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests import media
-from tests.e2e.server import Server, _alive, descendants
+from tests.e2e.server import Server, descendants
+from tests.e2e.server import alive as is_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -167,10 +168,10 @@ def test_children_die_with_a_killed_launcher(tiny_model) -> None:
         server.proc.kill()  # SIGKILL: the launcher cannot clean up; PR_SET_PDEATHSIG must
         server.proc.wait()
         deadline = time.monotonic() + 10
-        alive = {pid for pid in server.children if _alive(pid)}
+        alive = {pid for pid in server.children if is_alive(pid)}
         while alive and time.monotonic() < deadline:
             time.sleep(0.1)
-            alive = {pid for pid in alive if _alive(pid)}
+            alive = {pid for pid in alive if is_alive(pid)}
         assert alive == set(), {pid: cmdline(pid) for pid in alive}
         assert port_is_free(server.port)
     finally:
