@@ -25,42 +25,27 @@ log = logging.getLogger(__name__)
 
 
 class _Socket:
-    """An asyncio ZeroMQ socket that sends and receives without futures when it can.
+    """The one place frames enter and leave a ZeroMQ socket.
 
-    pyzmq's asyncio layer costs ~100 us of futures and event bookkeeping per message; a
-    non-blocking attempt on a shadow (synchronous) socket usually succeeds, and only when
-    it would block do we await. Sends stay in order: once one had to wait, later ones queue
-    behind it on the asyncio path until it is gone.
+    NOTE: every send and receive goes through pyzmq's asyncio layer. Sending on a synchronous
+    shadow of the socket looked cheaper, but the asyncio socket then misses readiness changes
+    the shadow consumed (ZeroMQ's descriptor is edge-triggered) and a reply can sit unread.
     """
 
     def __init__(self, sock: zmq.asyncio.Socket):
         self.sock = sock
-        self._sync = zmq.Socket.shadow(sock.underlying)
-        self._waiting_sends = 0
 
     async def send(self, frames: list[Any]) -> None:
-        if not self._waiting_sends:
-            try:
-                self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                pass
-        self._waiting_sends += 1
-        try:
-            await self.sock.send_multipart(frames, copy=False)
-        finally:
-            self._waiting_sends -= 1
+        await self.sock.send_multipart(frames, copy=False)
 
     def send_nowait(self, frames: list[Any]) -> None:
         """Best effort, never waits (used while a task is being cancelled)."""
         with contextlib.suppress(zmq.ZMQError):
-            self._sync.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            sent = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def recv(self) -> list[Any]:
-        try:
-            return self._sync.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return await self.sock.recv_multipart(copy=False)
+        return await self.sock.recv_multipart(copy=False)
 
     def close(self, linger: int = 0) -> None:
         self.sock.close(linger=linger)

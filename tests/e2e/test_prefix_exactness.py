@@ -100,6 +100,13 @@ def test_cache_on_equals_cache_off_under_pressure(servers):
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
     assert mismatches == [], f"{len(mismatches)} of {len(bodies)} answers changed: {mismatches}"
     m = metrics(pressured)
+    print(
+        {
+            k.removeprefix("mmcache_"): int(v)
+            for k, v in m.items()
+            if "hits" in k or "evictions" in k or "preemptions" in k or "queries" in k
+        }
+    )
     assert m["mmcache_llm_prefix_hits"] > 0  # the cache did serve tokens ...
     assert m["mmcache_llm_evictions"] > 0  # ... while blocks were being evicted ...
     assert m["mmcache_llm_preemptions"] > 0  # ... and sequences preempted
