@@ -178,9 +178,9 @@ class LLMService:
         if missing:
             await reply.send(NeedEncode(missing))
             return
-        await self._stream(seq, refs, reply)
+        await self._stream(seq, refs, reply, msg.stream)
 
-    async def _stream(self, seq: Sequence, refs: list[ChunkRef], reply: Responder) -> None:
+    async def _stream(self, seq: Sequence, refs: list[ChunkRef], reply: Responder, stream: bool) -> None:
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         key = (reply.identity, reply.rid)
         self._streams[seq.seq_id] = queue
@@ -189,6 +189,7 @@ class LLMService:
         self._ensure_loop()
         self.engine.submit(seq)
         self._wakeup.set()
+        tokens: list[int] = []
         try:
             while True:
                 outs = [await queue.get()]
@@ -198,13 +199,16 @@ class LLMService:
                 if last.finish_reason == "error":
                     await reply.send(ErrorReply("engine_error", last.error or "generation failed", 500))
                     return
-                tokens = [o.token_id for o in outs if o.token_id is not None]
+                tokens += [o.token_id for o in outs if o.token_id is not None]
+                if not stream and last.finish_reason is None:
+                    continue  # one message at the end instead of one per step
                 chunk = GenerateChunk(
                     tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens
                 )
                 await reply.send(chunk, final=last.finish_reason is not None)
                 if last.finish_reason is not None:
                     return
+                tokens = []
         finally:
             self._streams.pop(seq.seq_id, None)
             self._refs.pop(seq.seq_id, None)

@@ -83,6 +83,8 @@ class Dispatcher:
             sampling=sampling,
             salt=prepared.salt,
             probe_id=route.probe.probe_id,
+            # Tokens are needed as they come only to stream them or to watch for stop strings.
+            stream=prepared.req.stream or bool(prepared.req.stop),
         )
         for _ in range(MAX_REPAIRS + 1):
             missing = None

@@ -205,6 +205,7 @@ class GenerateRequest:
     sampling: SamplingParams
     salt: str | None = None
     probe_id: int = 0  # pin from an earlier ProbeRequest, released once the prefix is held
+    stream: bool = True  # False: one reply with every token at the end (nobody reads them earlier)
 
 
 @message

@@ -133,3 +133,25 @@ def test_client_error_is_raised_as_openai_error(client, server) -> None:
         client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
         )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["completion", "stream"])
+def test_stop_string_cuts_the_answer_and_stops_generation(client, stream):
+    kwargs = {"model": client.models.list().data[0].id, "messages": _messages(), "temperature": 0}
+    full = client.chat.completions.create(**kwargs, max_tokens=MAX_TOKENS)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    expected = text[: text.index(stop)]
+    if stream:
+        chunks = list(
+            client.chat.completions.create(**kwargs, max_tokens=MAX_TOKENS, stop=[stop], stream=True)
+        )
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        out = client.chat.completions.create(**kwargs, max_tokens=MAX_TOKENS, stop=[stop])
+        got, finish = out.choices[0].message.content, [out.choices[0].finish_reason]
+        assert out.usage.completion_tokens < full.usage.completion_tokens  # generation stopped early
+    assert got == expected
+    assert finish == ["stop"]
