@@ -58,12 +58,10 @@ def encode(msg: Any, envelope: dict[str, Any] | None = None) -> list[Any]:
     def default(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             return _tensor_ref(obj, buffers)
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if _REGISTRY.get(type(obj).__name__) is type(obj):
             out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             out["__dc__"] = type(obj).__name__
             return out
-        if isinstance(obj, tuple):
-            return list(obj)
         raise TypeError(f"cannot serialize {type(obj).__name__}")
 
     header = {"v": PROTOCOL_VERSION, "env": envelope or {}, "body": msg}
