@@ -11,7 +11,7 @@ import zmq.asyncio
 from shared.block_hash import block_hashes, root_hash
 from shared.keys import Fingerprint
 from shared.messages import Ping, Pong, ProbeReply, ProbeRequest, ReleaseProbe
-from shared.routing import rendezvous
+from shared.routing import rendezvous, weight
 from shared.rpc import RpcClient
 
 
@@ -51,7 +51,8 @@ class StageClients:
         return self._kv_identity
 
     async def route(self, probe: ProbeRequest, timeout: float) -> Route:
-        """Probe every LLM replica; take the longest cached prefix, then the lightest load."""
+        """Probe every LLM replica; take the longest cached prefix, then the lightest load, then
+        the replica the prompt's first block hashes to (shared.routing)."""
         identity = await self.kv_identity(timeout)
         if identity is not None:
             fp, size = identity
@@ -66,7 +67,10 @@ class StageClients:
         if not live:
             errors = [r for r in replies if isinstance(r, BaseException)]
             raise errors[0] if errors else ConnectionError("no LLM replica")
-        client, best = max(live, key=lambda cr: (cr[1].cached_tokens, -cr[1].load))
+        affinity = probe.block_hashes[0] if probe.block_hashes else probe.prompt_token_ids.numpy().tobytes()
+        client, best = max(
+            live, key=lambda cr: (cr[1].cached_tokens, -cr[1].load, weight(cr[0].address, affinity))
+        )
         for other, reply in live:
             if other is not client and reply.probe_id:
                 await other.notify(ReleaseProbe(reply.probe_id))
