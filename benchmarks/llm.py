@@ -23,7 +23,6 @@ give them; ``MMCACHE_BENCH_SERVER_THREADS=N`` sets ``OMP_NUM_THREADS=N`` for eve
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -33,118 +32,18 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from benchmarks.chat import MAX_TOKENS, batch, body, image, text, ttft, user, warm_up, words
 from benchmarks.common import Result, Server, main, median, metric, model_dir, say, spread
 
 THROUGHPUT_GOAL = 3.0
 NO_CACHE_GOAL = 0.97
 TTFT_GOAL = 1.5
-MAX_TOKENS = 32
 IMAGE = 448
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300)
 SYSTEM_PROMPTS = {"typical": 60, "long": 600}  # (c): words in the system prompt (~200 / ~2k tokens)
 # The servers run as users run them (torch picks its own thread count) unless this is set:
 # MMCACHE_BENCH_SERVER_THREADS=1 gives each stage process OMP_NUM_THREADS=1.
 THREADS = os.environ.get("MMCACHE_BENCH_SERVER_THREADS", "")
-
-_SYLLABLES = [
-    a + b
-    for a in ("", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "v", "w")
-    for b in ("a", "e", "i", "o", "u", "an", "en", "or", "is", "ul")
-]
-
-
-def words(rng: np.random.Generator, n: int) -> str:
-    """``n`` random pronounceable words (distinct text for every seed)."""
-    counts = rng.integers(1, 4, n)
-    picks = rng.integers(0, len(_SYLLABLES), int(counts.sum()))
-    out, i = [], 0
-    for c in counts:
-        out.append("".join(_SYLLABLES[j] for j in picks[i : i + c]))
-        i += c
-    return " ".join(out)
-
-
-def user(*parts: dict) -> dict:
-    return {"role": "user", "content": list(parts)}
-
-
-def text(t: str) -> dict:
-    return {"type": "text", "text": t}
-
-
-def image(url: str) -> dict:
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
-def body(model: str, messages: list[dict], max_tokens: int = MAX_TOKENS, stream: bool = False) -> dict:
-    out = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
-    if stream:
-        out["stream"] = True
-        out["stream_options"] = {"include_usage": True}
-    return out
-
-
-async def complete(session: aiohttp.ClientSession, server: Server, payload: dict) -> dict:
-    async with session.post(server.url + "/v1/chat/completions", json=payload) as resp:
-        data = await resp.json()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data}")
-        return data
-
-
-async def ttft(session: aiohttp.ClientSession, server: Server, payload: dict) -> tuple[float, dict]:
-    """Seconds to the first chunk with content, and the usage of the stream."""
-    start = time.perf_counter()
-    first = None
-    usage: dict = {}
-    async with session.post(server.url + "/v1/chat/completions", json=payload) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event}")
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event.get("choices", []):
-                if first is None and choice.get("delta", {}).get("content"):
-                    first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError("the stream carried no content")
-    return first, usage
-
-
-async def _batch(session, server: Server, payloads: list[dict]) -> tuple[float, int, list[dict]]:
-    """Send all at once; (wall seconds, completion tokens, responses)."""
-    start = time.perf_counter()
-    replies = await asyncio.gather(*(complete(session, server, p) for p in payloads))
-    wall = time.perf_counter() - start
-    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
-    return wall, tokens, replies
-
-
-async def _warm(session, server: Server, payloads: list[dict], attempts: int = 3) -> None:
-    """Warm-up batch; a fresh server on a busy machine may refuse the very first requests
-    (seen: 504 from the 5 s probe timeout), so retry a bounded number of times and say so."""
-    for attempt in range(1, attempts + 1):
-        try:
-            await _batch(session, server, payloads)
-            return
-        except RuntimeError as exc:
-            say(f"  WARNING: warm-up attempt {attempt} on {server.url} failed: {exc}")
-            if attempt == attempts:
-                raise
-            await asyncio.sleep(2.0)
-
 
 # --- (a) throughput vs HF -------------------------------------------------------------------------------
 
@@ -172,12 +71,12 @@ async def throughput(session, server: Server, model: str, media: Path, hf, quick
     rounds = 1 if quick else 3
     hf_per_round = 4 if quick else n
     warm, warm_hf = _throughput_requests(model, media, 900, 4)
-    await _warm(session, server, warm)
+    await warm_up(session, server, warm)
     hf(warm_hf[:1], 60.0)
     ours, theirs = [], []
     for r in range(rounds):
         payloads, hf_requests = _throughput_requests(model, media, 100 + r, n)
-        wall, tokens, _ = await _batch(session, server, payloads)
+        wall, tokens, _ = await batch(session, server, payloads)
         assert tokens == n * MAX_TOKENS, tokens
         ours.append(tokens / wall)
         hf_wall, hf_tokens = hf(hf_requests[:hf_per_round], 5.0 if quick else 15.0)
@@ -262,7 +161,7 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
     rounds = 4 if quick else 6
     seed = iter(range(10_000, 20_000))
     for server in (on, off):
-        await _warm(session, server, _unique_requests(model, next(seed), 4, num_words))
+        await warm_up(session, server, _unique_requests(model, next(seed), 4, num_words))
     before = on.metrics()
     rates: dict[str, list[float]] = {"on": [], "off": []}
     prompt_tokens = 0
@@ -271,7 +170,7 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
         payloads = _unique_requests(model, next(seed), n, num_words)
         order = [("on", on), ("off", off)] if r % 2 == 0 else [("off", off), ("on", on)]
         for name, server in order:
-            wall, tokens, replies = await _batch(session, server, payloads)
+            wall, tokens, replies = await batch(session, server, payloads)
             assert tokens == n * MAX_TOKENS, tokens
             cached = sum(x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in replies)
             assert cached == 0, f"an all-unique workload hit the prefix cache ({cached} tokens)"
