@@ -112,6 +112,7 @@ async def metrics(request: web.Request) -> web.Response:
         f"mmcache_processor_cache_bytes {cache.nbytes}",
         f"mmcache_processor_cache_capacity_bytes {cache.capacity}",
         f"mmcache_processor_cache_entries {len(cache)}",
+        f"mmcache_processor_repairs_total {request.app[DISPATCHER].num_repairs}",
     ]
     encoders, llms = await request.app[STAGES].health()
     for stage, replicas in (("encoder", encoders), ("llm", llms)):

@@ -53,6 +53,7 @@ class Dispatcher:
     def __init__(self, stages: StageClients, timeout: float):
         self.stages = stages
         self.timeout = timeout
+        self.num_repairs = 0  # generate attempts answered with NeedEncode
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
         out = []
@@ -97,6 +98,7 @@ class Dispatcher:
             if missing is None:
                 return
             log.info("repairing %d chunk(s) that left their encoders", len(missing))
+            self.num_repairs += 1
             # Redo step 5 for every chunk the LLM stage may pull: the lookup pins the ones still
             # there again (the failed attempt's fetches released their pins) and the rest are
             # encoded from the pixels we hold.

@@ -104,7 +104,7 @@ def test_cache_on_equals_cache_off_under_pressure(servers):
         {
             k.removeprefix("mmcache_"): int(v)
             for k, v in m.items()
-            if "hits" in k or "evictions" in k or "preemptions" in k or "queries" in k
+            if "hits" in k or "evictions" in k or "preemptions" in k or "queries" in k or "repairs" in k
         }
     )
     assert m["mmcache_llm_prefix_hits"] > 0  # the cache did serve tokens ...
