@@ -69,11 +69,15 @@ class MediaFetcher:
         One fetch per distinct chunk, even when the prompt holds it twice (the same image sent
         again): its hand-off pin is released by that single read.
         """
-        wanted = [r for r in refs if r.end > start and r.start < end]
+        # (ref, first row, end row) of every chunk that overlaps [start, end)
+        wanted = [
+            (r, max(start, r.start) - r.start, min(end, r.end) - r.start)
+            for r in refs
+            if r.end > start and r.start < end
+        ]
         self.stats.chunks_skipped += sum(1 for r in refs if r.end <= start)
         spans: dict[tuple[bytes, str], tuple[int, int, bool]] = {}  # rows to read per chunk
-        for r in wanted:
-            lo, hi = max(start, r.start) - r.start, min(end, r.end) - r.start
+        for r, lo, hi in wanted:
             old = spans.get((r.key, r.source))
             spans[(r.key, r.source)] = (
                 (lo, hi, r.handoff)
@@ -93,9 +97,8 @@ class MediaFetcher:
                 raise res
         read = {ks: (rows[0], res) for (ks, rows), res in zip(spans.items(), results, strict=True)}
         out = []
-        for r in wanted:
+        for r, lo, hi in wanted:
             first, rows = read[(r.key, r.source)]
-            lo, hi = max(start, r.start) - r.start, min(end, r.end) - r.start
             out.append(MediaRows(r.start + lo, rows[lo - first : hi - first]))
         return out
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from processor.errors import APIError, bad_request
+from processor.errors import bad_request
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
@@ -207,4 +207,4 @@ def _unsupported(body: dict) -> None:
         raise bad_request("tools are not supported", "unsupported_parameter", "tools")
 
 
-__all__ = ["APIError", "ChatRequest", "MediaRef", "parse_chat_request"]
+__all__ = ["ChatRequest", "MediaRef", "parse_chat_request"]

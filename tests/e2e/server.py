@@ -22,6 +22,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = STARTUP_TIMEOUT) -> None:
+    """Until ``url``/health answers 200; fails at once if one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(map(str, proc.args[2:4]))} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not become healthy in {timeout:.0f} s")
+
+
 def descendants(pid: int) -> set[int]:
     """All live descendants of ``pid`` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -76,20 +93,12 @@ class Server:
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mmcache serve exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        self.children = descendants(self.proc.pid)
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("mmcache serve did not become healthy")
+        try:
+            wait_healthy(self.url, [self.proc])
+        except RuntimeError:
+            self.stop()
+            raise
+        self.children = descendants(self.proc.pid)
 
     def post(self, path: str, body: object, timeout: float = 120) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from shared.routing import rendezvous
-from tests.e2e.server import free_port
+from tests.e2e.server import free_port, wait_healthy
 from tests.e2e.util import chat, image_part, tokens
 from tests.media import image_bytes
 
@@ -53,16 +52,11 @@ class Stack:
         self.procs = [
             subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in cmds
         ]
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("the stack did not become healthy")
+        try:
+            wait_healthy(self.url, self.procs)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def post(self, body: dict) -> dict:
         req = urllib.request.Request(
