@@ -4,15 +4,18 @@
 with ``h_{-1} = H("kv", model fingerprint, salt)``. ``extra_i`` lists, for every
 media chunk overlapping block ``i``, the chunk key (16 bytes) and the offset of
 the block start relative to the chunk start (int64 LE). All fields are fixed
-width, so the framing is unambiguous. A text-only block is one digest call over
-32 + 4·B bytes: the fast path.
+width, so the framing is unambiguous.
+
+Cost: numpy cuts the token bytes into one ``bytes`` object per block in one call,
+and builds every media block's payload (tokens, key, offset) in a handful of
+vectorized calls; Python then does one concatenation and one digest per block. A
+text-only prompt costs only that last step: the fast path.
 
 The processor (routing, probing) and the LLM stage use this one implementation.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import NewType
 
@@ -25,23 +28,11 @@ from shared.messages import MediaSpan
 
 BlockHash = NewType("BlockHash", bytes)
 
-_EXTRA = struct.Struct("<16sq")  # chunk key, block start - chunk start
-_digest = xxhash.xxh3_128_digest
+KEY_BYTES = 16
 
 
 def root_hash(model_fp: Fingerprint, salt: str | None) -> BlockHash:
     return BlockHash(hash_fields(b"kv", model_fp, salt_bytes(salt)))
-
-
-def _chunk_intervals(spans: Sequence[MediaSpan]) -> list[tuple[int, int, bytes]]:
-    """(start, end, chunk_key) of every chunk, in prompt order."""
-    out = []
-    for span in sorted(spans, key=lambda s: s.offset):
-        n = span.tokens_per_chunk
-        for i, key in enumerate(span.chunk_keys):
-            start = span.offset + i * n
-            out.append((start, start + n, key))
-    return out
 
 
 def block_hashes(
@@ -53,46 +44,69 @@ def block_hashes(
 ) -> list[BlockHash]:
     """Hashes of all full blocks of ``token_ids``; ``known`` is a prefix already computed.
 
-    NOTE: pass a tensor or an array when you have one: turning a Python list into bytes
-    costs more than hashing them.
+    NOTE: pass a tensor or an array when you have one: turning a Python list into int32
+    costs more than hashing it.
     """
     num_blocks = len(token_ids) // block_size
     hashes = list(known[:num_blocks])
-    if len(hashes) == num_blocks:
-        return hashes
     first = len(hashes)
-    tokens = _int32_bytes(token_ids[first * block_size : num_blocks * block_size])
-    width = 4 * block_size
+    if first == num_blocks:
+        return hashes
+    blocks = _int32(token_ids[first * block_size : num_blocks * block_size]).view(f"V{4 * block_size}")
+    payloads = blocks.tolist()  # one bytes object per block
+    if spans:
+        _add_media(payloads, blocks, spans, first * block_size)
     prev = hashes[-1] if hashes else root
-    extras = _block_extras(_chunk_intervals(spans), block_size, first, num_blocks) if spans else {}
-    # Runs of text-only blocks take the fast path: one concatenation and one digest per block.
-    i = first
-    for stop in [*sorted(extras), num_blocks]:
-        for offset in range((i - first) * width, (stop - first) * width, width):
-            prev = _digest(prev + tokens[offset : offset + width])
-            hashes.append(prev)
-        if stop < num_blocks:
-            offset = (stop - first) * width
-            prev = _digest(prev + tokens[offset : offset + width] + extras[stop])
-            hashes.append(prev)
-        i = stop + 1
+    digest = xxhash.xxh3_128_digest
+    hashes += [prev := digest(prev + payload) for payload in payloads]
     return hashes
 
 
-def _block_extras(
-    chunks: list[tuple[int, int, bytes]], block_size: int, first: int, stop: int
-) -> dict[int, bytes]:
-    """Block index → (chunk key, block start - chunk start) of every chunk overlapping it, in order."""
-    extras: dict[int, bytes] = {}
-    pack = _EXTRA.pack
-    for start, end, key in chunks:
-        for i in range(max(first, start // block_size), min(stop, -(-end // block_size))):
-            piece = pack(key, i * block_size - start)
-            extras[i] = extras[i] + piece if i in extras else piece
-    return extras
+def _span_offset(span: MediaSpan) -> int:
+    return span.offset
 
 
-def _int32_bytes(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+def _add_media(payloads: list[bytes], blocks: np.ndarray, spans: Sequence[MediaSpan], base: int) -> None:
+    """Append to every block's payload, for each chunk overlapping it in prompt order,
+    (chunk key, block start - chunk start). ``payloads[0]`` starts at token ``base``."""
+    block_size = blocks.dtype.itemsize // 4
+    count = len(payloads)
+    runs, parts, offsets, keys = [], [], [], []  # per chunk: its block range; per (chunk, block) pair
+    for span in sorted(spans, key=_span_offset):
+        n = span.tokens_per_chunk
+        start = span.offset - base
+        for key in span.chunk_keys:
+            end = start + n
+            lo = start // block_size if start > 0 else 0
+            hi = min(-(-end // block_size), count)
+            if hi > lo:
+                runs.append((lo, hi))
+                parts.append(blocks[lo:hi])
+                offsets += range(lo * block_size - start, hi * block_size - start, block_size)
+                keys += [key] * (hi - lo)
+            start = end
+    if not runs:
+        return
+    records = np.empty(
+        len(offsets), dtype=[("tokens", blocks.dtype), ("key", f"V{KEY_BYTES}"), ("offset", "<i8")]
+    )
+    records["tokens"] = np.concatenate(parts)
+    records["key"] = np.frombuffer(b"".join(keys), dtype=f"V{KEY_BYTES}")
+    records["offset"] = offsets
+    media = records.view(f"V{records.dtype.itemsize}").tolist()  # tokens + key + offset, per pair
+    width = blocks.dtype.itemsize
+    i, last = 0, -1
+    for lo, hi in runs:
+        if lo == last:  # this chunk starts inside the block the previous chunk ended in
+            payloads[lo] += media[i][width:]
+            lo += 1
+            i += 1
+        payloads[lo:hi] = media[i : i + hi - lo]
+        i += hi - lo
+        last = hi - 1
+
+
+def _int32(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.numpy()
-    return np.asarray(tokens, dtype="<i4").tobytes()
+    return np.ascontiguousarray(tokens, dtype="<i4")

@@ -111,3 +111,49 @@ def test_video_chunks_give_offsets_per_chunk():
     hl = block_hashes(ids_long, [long], B, ROOT)
     assert hs[0] == hl[0]  # tokens 0..15 = 8 text + chunk 1 (same key, same offsets)
     assert hs[1] != hl[1]  # tokens 16..31: chunk 2 then text vs chunk 2 then chunk 3
+
+
+def _reference(ids: list[int], spans: list[MediaSpan], block_size: int, root: bytes) -> list[bytes]:
+    """The definition, block by block: tokens, then (key, offset) of every overlapping chunk in order."""
+    chunks = []
+    for span in sorted(spans, key=lambda s: s.offset):
+        n = span.tokens_per_chunk
+        chunks += [
+            (span.offset + i * n, span.offset + (i + 1) * n, key) for i, key in enumerate(span.chunk_keys)
+        ]
+    out, prev = [], root
+    for b in range(len(ids) // block_size):
+        lo, hi = b * block_size, (b + 1) * block_size
+        body = struct.pack(f"<{block_size}i", *ids[lo:hi])
+        body += b"".join(struct.pack("<16sq", key, lo - s) for s, e, key in chunks if s < hi and e > lo)
+        prev = xxhash.xxh3_128_digest(prev + body)
+        out.append(prev)
+    return out
+
+
+def test_vectorized_media_path_matches_the_definition():
+    """Random prompts with images and videos: chunks smaller than a block (several per block),
+    chunks running past the prompt, spans out of order, every input type, known prefixes."""
+    import random
+
+    import numpy as np
+    import torch
+
+    rng = random.Random(7)
+    for _ in range(400):
+        block_size = rng.choice([1, 4, 16, 32])
+        ids = [rng.randrange(70000) for _ in range(rng.randrange(300))]
+        spans, offset = [], rng.randrange(20)
+        while offset < len(ids) + 20 and rng.random() < 0.8:
+            chunks, per_chunk = rng.randint(1, 5), rng.randint(1, 40)
+            keys = [rng.randbytes(16) for _ in range(chunks)]
+            spans.append(
+                MediaSpan(offset, "video" if chunks > 1 else "image", (chunks, 2, 2 * per_chunk), keys)
+            )
+            offset += chunks * per_chunk + rng.randrange(30)
+        rng.shuffle(spans)
+        want = _reference(ids, spans, block_size, ROOT)
+        assert block_hashes(ids, spans, block_size, ROOT) == want
+        known = want[: rng.randint(0, len(want))]
+        assert block_hashes(torch.tensor(ids), spans, block_size, ROOT, known) == want
+        assert block_hashes(np.asarray(ids, dtype=np.int64), spans, block_size, ROOT, known) == want
