@@ -67,11 +67,17 @@ async def complete(session: aiohttp.ClientSession, server: Server, payload: dict
 
 
 async def ttft(session: aiohttp.ClientSession, server: Server, payload: dict) -> tuple[float, dict]:
-    """Seconds to the first chunk with content, and the usage of the stream."""
+    """Seconds from sending the request to its first chunk with content, and the usage of the stream.
+
+    The body is serialized before the clock starts: encoding a 680 KB ``data:`` URL into JSON
+    costs this client ~4 ms, which is the client's time, not the server's.
+    """
+    data = json.dumps(payload).encode()
     start = time.perf_counter()
     first = None
     usage: dict = {}
-    async with session.post(server.url + "/v1/chat/completions", json=payload) as resp:
+    url = server.url + "/v1/chat/completions"
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
         async for raw in resp.content:

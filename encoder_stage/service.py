@@ -47,20 +47,28 @@ class EncoderService:
     def key(self, chunk: bytes) -> bytes:
         return embed_key(ChunkKey(chunk), self.tower.fingerprint)
 
-    async def handle(self, msg: Any, reply: Responder) -> None:
+    def quick(self, msg: Any, reply: Responder) -> bool:
+        """Everything but encoding is answered as it arrives, without a task."""
         if isinstance(msg, FetchRequest):
-            await self._fetch(msg, reply)
+            self._fetch(msg, reply)
         elif isinstance(msg, LookupRequest):
             missing = [k for k in msg.keys if not self._lookup(self.key(k), msg.handoff)]
-            await reply.send(LookupReply(missing))
+            reply.send_nowait(LookupReply(missing))
         elif isinstance(msg, ReleaseHandoff):
             for k in msg.keys:
                 self.cache.release(self.key(k))
-        elif isinstance(msg, EncodeRequest):
-            await self._encode(msg, reply)
         elif isinstance(msg, Ping):
-            await reply.send(self.pong())
-        elif not isinstance(msg, Abort):  # an abandoned call: the work is shared, let it finish
+            reply.send_nowait(self.pong())
+        elif isinstance(msg, Abort):
+            pass  # an abandoned call: the work is shared, let it finish
+        else:
+            return False  # encoding (and anything unknown) goes to :meth:`handle`
+        return True
+
+    async def handle(self, msg: Any, reply: Responder) -> None:
+        if isinstance(msg, EncodeRequest):
+            await self._encode(msg, reply)
+        else:
             await reply.send(ErrorReply("bad_message", f"encoder does not handle {type(msg).__name__}", 400))
 
     def pong(self) -> Pong:
@@ -120,20 +128,20 @@ class EncoderService:
         finally:
             self._inflight.pop(key, None)
 
-    async def _fetch(self, msg: FetchRequest, reply: Responder) -> None:
+    def _fetch(self, msg: FetchRequest, reply: Responder) -> None:
         key = self.key(msg.key)
         rows = self.cache.read(key)
         if rows is None:
-            await reply.send(ErrorReply("embedding_missing", msg.key.hex(), 404))
+            reply.send_nowait(ErrorReply("embedding_missing", msg.key.hex(), 404))
             return
         try:
             if not 0 <= msg.start < msg.end <= rows.shape[0]:
-                await reply.send(
+                reply.send_nowait(
                     ErrorReply("bad_rows", f"rows [{msg.start}, {msg.end}) of {rows.shape[0]}", 400)
                 )
                 return
             self.num_fetches += 1
-            await reply.send(FetchReply(rows[msg.start : msg.end]))
+            reply.send_nowait(FetchReply(rows[msg.start : msg.end]))
         finally:
             self.cache.done(key, release_handoff=msg.release)
 
@@ -161,7 +169,6 @@ def run(cfg: EncoderConfig) -> None:
 
     async def make(ctx: zmq.asyncio.Context):
         service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
-        return service.handle, service.close
+        return service.handle, service.quick, service.close
 
-    quick = (FetchRequest, LookupRequest, ReleaseHandoff, Ping, Abort)
-    run_stage("encoder", cfg.bind, cfg.torch_threads, make, inline=quick)
+    run_stage("encoder", cfg.bind, cfg.torch_threads, make)

@@ -54,11 +54,10 @@ class LLMService:
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
-    async def handle(self, msg: Any, reply: Responder) -> None:
-        if isinstance(msg, GenerateRequest):
-            await self._generate(msg, reply)
-        elif isinstance(msg, ProbeRequest):
-            await self._probe(msg, reply)
+    def quick(self, msg: Any, reply: Responder) -> bool:
+        """Everything but generation is answered as it arrives, without a task."""
+        if isinstance(msg, ProbeRequest):
+            self._probe(msg, reply)
         elif isinstance(msg, ReleaseProbe):
             self.engine.release_probe(msg.probe_id)
         elif isinstance(msg, Abort):
@@ -67,7 +66,14 @@ class LLMService:
                 self.engine.cancel(seq_id)
                 self._wakeup.set()
         elif isinstance(msg, Ping):
-            await reply.send(self.pong())
+            reply.send_nowait(self.pong())
+        else:
+            return False  # to :meth:`handle`
+        return True
+
+    async def handle(self, msg: Any, reply: Responder) -> None:
+        if isinstance(msg, GenerateRequest):
+            await self._generate(msg, reply)
         else:
             await reply.send(
                 ErrorReply("bad_message", f"llm stage does not handle {type(msg).__name__}", 400)
@@ -93,11 +99,11 @@ class LLMService:
 
     # --- probe ----------------------------------------------------------------------------
 
-    async def _probe(self, msg: ProbeRequest, reply: Responder) -> None:
+    def _probe(self, msg: ProbeRequest, reply: Responder) -> None:
         try:
             validate_probe(msg, self.spec, self.engine.lm)
         except RequestError as exc:
-            await reply.send(ErrorReply(exc.code, str(exc), 400))
+            reply.send_nowait(ErrorReply(exc.code, str(exc), 400))
             return
         cached, probe_id = 0, 0
         if self.cfg.prefix_cache:
@@ -109,7 +115,7 @@ class LLMService:
             # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
             # the request's own prefix is matched with hashes this stage computes itself.
             cached, probe_id = self.engine.probe(hashes, ids, min(msg.ttl, 60.0))
-        await reply.send(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
+        reply.send_nowait(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
 
     # --- generate -------------------------------------------------------------------------
 
@@ -264,6 +270,6 @@ def run(cfg: LLMConfig) -> None:
         engine = Engine(cfg, spec)
         fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size)
         service = LLMService(cfg, engine, fetcher)
-        return service.handle, service.close
+        return service.handle, service.quick, service.close
 
-    run_stage("llm", cfg.bind, cfg.torch_threads, make, inline=(ProbeRequest, ReleaseProbe, Abort, Ping))
+    run_stage("llm", cfg.bind, cfg.torch_threads, make)

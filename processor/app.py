@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import orjson
 import zmq.asyncio
 from aiohttp import web
 
@@ -138,8 +138,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
     req = parse_chat_request(body)
     if req.model != request.app[MODEL_NAME]:
@@ -207,7 +207,7 @@ async def _stream(
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+    await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
 
 
 class _Completion:

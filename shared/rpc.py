@@ -9,6 +9,7 @@ or a stream of replies ending with one flagged ``final`` (:meth:`RpcClient.strea
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -16,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from shared.messages import Abort, ErrorReply
 from shared.wire import decode, encode, peek_rid
@@ -25,29 +25,105 @@ log = logging.getLogger(__name__)
 
 
 class _Socket:
-    """The one place frames enter and leave a ZeroMQ socket.
+    """The one place frames enter and leave a ZeroMQ socket, driven by the event loop directly.
 
-    NOTE: every send and receive goes through pyzmq's asyncio layer. Sending on a synchronous
-    shadow of the socket looked cheaper, but the asyncio socket then misses readiness changes
-    the shadow consumed (ZeroMQ's descriptor is edge-triggered) and a reply can sit unread.
+    A plain socket, always used with NOBLOCK, and the loop watching its descriptor. That
+    descriptor only signals that the socket's state *changed*, and any call on the socket may
+    consume the signal. So the socket is touched only here, and every wake-up and every send
+    ends in :meth:`_pump`, which receives while ``EVENTS`` says POLLIN and flushes queued sends
+    while it says POLLOUT: a message can never sit unread behind a consumed signal. (pyzmq's
+    asyncio layer does the same with a future and a poller registration per message; this is
+    one callback per wake-up, and received messages go straight to ``on_message``.)
     """
 
-    def __init__(self, sock: zmq.asyncio.Socket):
-        self.sock = sock
+    def __init__(self, ctx: zmq.Context, kind: int, on_message: Callable[[list[Any]], None]):
+        self.sock = zmq.Socket(ctx, kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self._on_message = on_message  # runs in the loop; must not block
+        self._outbox: collections.deque[tuple[list[Any], asyncio.Future | None]] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pump_scheduled = False
+        self._closed = False
+
+    def start(self) -> None:
+        """Start receiving (in the running loop); sending starts it too."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(self.sock.FD, self._pump)
+        self._pump_soon()
+
+    def _pump_soon(self) -> None:
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        sock = self.sock
+        while not self._closed:
+            events = sock.get(zmq.EVENTS)
+            progressed = False
+            if events & zmq.POLLOUT and self._outbox:
+                frames, done = self._outbox[0]
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # the peer filled up since EVENTS; its next read signals us
+                    pass
+                except zmq.ZMQError as exc:
+                    self._outbox.popleft()
+                    if done is not None and not done.done():
+                        done.set_exception(exc)
+                    progressed = True
+                else:
+                    self._outbox.popleft()
+                    if done is not None and not done.done():
+                        done.set_result(None)
+                    progressed = True
+            if events & zmq.POLLIN:
+                self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                progressed = True
+            if not progressed:
+                return
+
+    def _try_send(self, frames: list[Any]) -> bool:
+        """Send now if nothing is queued and the peer has room; False: queue it."""
+        if self._outbox:
+            return False
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        self._pump_soon()  # the send may have consumed a readiness signal
+        return True
 
     async def send(self, frames: list[Any]) -> None:
-        await self.sock.send_multipart(frames, copy=False)
+        if self._closed:
+            raise ConnectionError("socket closed")
+        self.start()
+        if not self._try_send(frames):
+            done = self._loop.create_future()
+            self._outbox.append((frames, done))
+            await done
 
     def send_nowait(self, frames: list[Any]) -> None:
-        """Best effort, never waits (used while a task is being cancelled)."""
+        """Send, or queue to send as soon as the peer has room; never waits, never raises."""
+        if self._closed:
+            return
+        self.start()
         with contextlib.suppress(zmq.ZMQError):
-            sent = self.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-    async def recv(self) -> list[Any]:
-        return await self.sock.recv_multipart(copy=False)
+            if not self._try_send(frames):
+                self._outbox.append((frames, None))
 
     def close(self, linger: int = 0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self.sock.FD)
+        for _, done in self._outbox:
+            if done is not None and not done.done():
+                done.set_exception(ConnectionError("socket closed"))
+        self._outbox.clear()
         self.sock.close(linger=linger)
 
 
@@ -62,43 +138,34 @@ class RemoteError(RuntimeError):
 class RpcClient:
     """One DEALER socket to one server address."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str = "rpc"):
+    def __init__(self, ctx: zmq.Context, address: str, name: str = "rpc"):
         self.address = address
         self._name = name
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self._sock = _Socket(sock)
+        self._sock = _Socket(ctx, zmq.DEALER, on_message=self._on_reply)
+        self._sock.sock.connect(address)
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue | asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
 
-    def _ensure_reader(self) -> None:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-
-    async def _read_loop(self) -> None:
-        while True:
-            frames = await self._sock.recv()
-            try:
-                msg, env = decode(frames)
-            except Exception as exc:  # a bad peer must not stop this client
-                log.warning("%s: dropping bad reply from %s: %s", self._name, self.address, exc)
-                continue
-            waiter = self._queues.get(env.get("rid"))
-            if waiter is None:  # a late reply to a request that timed out
-                continue
-            if isinstance(waiter, asyncio.Queue):
-                waiter.put_nowait((msg, env))
-            elif not waiter.done():
-                waiter.set_result((msg, env))
+    def _on_reply(self, frames: list[Any]) -> None:
+        """Hand a reply to the call or stream waiting for its request id (runs in the loop)."""
+        try:
+            msg, env = decode(frames)
+        except Exception as exc:  # a bad peer must not stop this client
+            log.warning("%s: dropping bad reply from %s: %s", self._name, self.address, exc)
+            return
+        waiter = self._queues.get(env.get("rid"))
+        if waiter is None:  # a late reply to a request that timed out
+            return
+        if isinstance(waiter, asyncio.Queue):
+            waiter.put_nowait((msg, env))
+        elif not waiter.done():
+            waiter.set_result((msg, env))
 
     async def _send(self, rid: int, msg: Any) -> None:
         await self._sock.send(encode(msg, {"rid": rid}))
 
     async def call(self, msg: Any, timeout: float | None = None) -> Any:
         """Send ``msg`` and return its single reply; raises :class:`RemoteError` or ``TimeoutError``."""
-        self._ensure_reader()
         rid = next(self._ids)
         waiter: asyncio.Future = asyncio.get_running_loop().create_future()
         self._queues[rid] = waiter  # NOTE: registered before sending, so no reply can be missed
@@ -124,7 +191,6 @@ class RpcClient:
         ``timeout`` bounds the wait for each reply. Leaving the block before the final
         reply (break, error, cancellation) sends :class:`Abort` to the server.
         """
-        self._ensure_reader()
         return _Stream(self, msg, timeout)
 
     async def notify(self, msg: Any) -> None:
@@ -132,8 +198,6 @@ class RpcClient:
         await self._send(next(self._ids), msg)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
         self._sock.close(linger=0)
 
 
@@ -184,54 +248,67 @@ class Responder:
         frames = encode(msg, {"rid": self.rid, "final": final})
         await self._server.sock.send([self.identity, *frames])
 
+    def send_nowait(self, msg: Any, final: bool = True) -> None:
+        """Reply without waiting (for quick handlers): sent now, or queued until the peer has room."""
+        self._server.sock.send_nowait([self.identity, *encode(msg, {"rid": self.rid, "final": final})])
+
 
 Handler = Callable[[Any, Responder], Awaitable[None]]
+QuickHandler = Callable[[Any, Responder], bool]
 
 
 class RpcServer:
-    """ROUTER socket; each request runs ``handler(msg, responder)`` as its own task."""
+    """ROUTER socket. Each request first goes to ``quick(msg, responder)``, called as it arrives:
+    it answers what it can without waiting (with :meth:`Responder.send_nowait`) and returns
+    True; anything else runs ``handler(msg, responder)`` as its own task."""
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context,
         address: str,
         handler: Handler,
         name: str = "server",
-        inline: tuple[type, ...] = (),
+        quick: QuickHandler | None = None,
     ):
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.bind(address)
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.sock = _Socket(sock)
+        self.sock = _Socket(ctx, zmq.ROUTER, on_message=self._on_request)
+        self.sock.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.sock.bind(address)
+        self.address = self.sock.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._handler = handler
+        self._quick = quick
         self._name = name
-        # NOTE: messages of these types are handled in the receive loop itself (no task): their
-        # handlers must not wait on anything but their reply's send.
-        self._inline = inline
         self._tasks: set[asyncio.Task] = set()
+        self._closed: asyncio.Future | None = None
 
     async def serve_forever(self) -> None:
-        while True:
-            frames = await self.sock.recv()
-            identity = frames[0].bytes
+        """Serve until :meth:`close` (or cancellation)."""
+        self._closed = asyncio.get_running_loop().create_future()
+        self.sock.start()
+        await self._closed
+
+    def _on_request(self, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        try:
+            msg, env = decode(frames[1:])
+        except Exception as exc:  # nothing a peer sends may stop this server
+            log.warning("%s: bad request: %s", self._name, exc)
+            # Answer the request id if the envelope is readable, so the caller fails fast.
+            Responder(self, identity, peek_rid(frames[1:])).send_nowait(
+                ErrorReply("bad_message", str(exc), 400)
+            )
+            return
+        responder = Responder(self, identity, int(env.get("rid", 0)))
+        if self._quick is not None:
             try:
-                msg, env = decode(frames[1:])
-            except Exception as exc:  # nothing a peer sends may stop this loop
-                log.warning("%s: bad request: %s", self._name, exc)
-                # Answer the request id if the envelope is readable, so the caller fails fast.
-                await Responder(self, identity, peek_rid(frames[1:])).send(
-                    ErrorReply("bad_message", str(exc), 400)
-                )
-                continue
-            responder = Responder(self, identity, int(env.get("rid", 0)))
-            if isinstance(msg, self._inline):
-                await self._run(msg, responder)
-                continue
-            task = asyncio.get_running_loop().create_task(self._run(msg, responder))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+                if self._quick(msg, responder):
+                    return
+            except Exception as exc:  # a bad request must never take the stage down
+                log.exception("%s: quick handler failed for %s", self._name, type(msg).__name__)
+                responder.send_nowait(ErrorReply("internal", f"{type(exc).__name__}: {exc}", 500))
+                return
+        task = asyncio.get_running_loop().create_task(self._run(msg, responder))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _run(self, msg: Any, responder: Responder) -> None:
         try:
@@ -246,4 +323,6 @@ class RpcServer:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(None)
         self.sock.close(linger=0)

@@ -11,9 +11,11 @@ from collections.abc import Awaitable, Callable
 
 import zmq.asyncio
 
-from shared.rpc import Handler, RpcServer
+from shared.rpc import Handler, QuickHandler, RpcServer
 
 log = logging.getLogger(__name__)
+
+Closer = Callable[[], None]
 
 
 def setup_logging(stage: str) -> None:
@@ -24,21 +26,22 @@ def setup_logging(stage: str) -> None:
 async def serve(
     name: str,
     bind: str,
-    make_handler: Callable[[zmq.asyncio.Context], Awaitable[tuple[Handler, Callable[[], None]]]],
-    inline: tuple[type, ...] = (),
+    make_handler: Callable[
+        [zmq.asyncio.Context], Awaitable[tuple[Handler, QuickHandler, Callable[[], None]]]
+    ],
 ) -> None:
-    """Bind ``bind``, answer requests with the handler from ``make_handler`` until a signal arrives.
+    """Bind ``bind``, answer requests with the handlers from ``make_handler`` until a signal arrives.
 
-    ``make_handler`` returns the request handler and a close function for its resources;
-    messages of the ``inline`` types are quick and handled without a task of their own.
+    ``make_handler`` returns the request handler, the quick handler (answers what needs no
+    waiting as it arrives, see :class:`RpcServer`) and a close function for its resources.
     """
     ctx = zmq.asyncio.Context()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    handler, close = await make_handler(ctx)
-    server = RpcServer(ctx, bind, handler, name, inline)
+    handler, quick, close = await make_handler(ctx)
+    server = RpcServer(ctx, bind, handler, name, quick)
     log.info("%s ready on %s (pid %d)", name, server.address, os.getpid())
     serving = loop.create_task(server.serve_forever())
     stopping = loop.create_task(stop.wait())
@@ -53,10 +56,10 @@ async def serve(
     ctx.destroy(linger=0)
 
 
-def run_stage(name: str, bind: str, torch_threads: int, make_handler, inline: tuple[type, ...] = ()) -> None:
+def run_stage(name: str, bind: str, torch_threads: int, make_handler) -> None:
     """The body of ``mmcache encoder|llm``: logging, CPU threads, then :func:`serve` until a signal."""
     from shared.torch_utils import set_threads
 
     setup_logging(name)
     set_threads(torch_threads)
-    asyncio.run(serve(name, bind, make_handler, inline))
+    asyncio.run(serve(name, bind, make_handler))

@@ -131,13 +131,11 @@ def _tensor_ref(t: torch.Tensor, buffers: list[Any]) -> dict[str, Any]:
     dtype = _DTYPE_NAMES.get(t.dtype)
     if dtype is None:
         raise TypeError(f"unsupported tensor dtype {t.dtype}")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
+    if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().cpu().contiguous()
     shape = list(t.shape)
-    # NOTE: numpy has no bfloat16; a uint8 view keeps the frame zero-copy for every dtype.
-    data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    # NOTE: a numpy view is the frame (no copy); numpy has no bfloat16, so that travels as int16.
+    data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy() if t.numel() else b""
     buffers.append(data)
     return {"__t__": [dtype, shape, len(buffers) + 1]}
 
@@ -157,9 +155,8 @@ def _tensor_from(ref: list[Any], raw: list[memoryview]) -> torch.Tensor:
     numel = 1
     for dim in shape:
         numel *= dim
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(buf) != numel * itemsize:
-        raise WireError(f"tensor frame has {len(buf)} bytes, shape {shape} needs {numel * itemsize}")
+    if buf.nbytes != numel * dtype.itemsize:
+        raise WireError(f"tensor frame has {buf.nbytes} bytes, shape {shape} needs {numel * dtype.itemsize}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)

@@ -38,11 +38,12 @@ class ForgetfulEncoder(EncoderService):
 
     forget = False
 
-    async def handle(self, msg, reply):
-        await super().handle(msg, reply)
+    def quick(self, msg, reply):
+        handled = super().quick(msg, reply)
         if self.forget and isinstance(msg, LookupRequest):
             for key in msg.keys:
                 self.cache._entries.pop(self.key(key), None)
+        return handled
 
 
 @contextlib.asynccontextmanager
@@ -54,7 +55,10 @@ async def stack(model: Path, tmp: Path):
     llm_cfg = LLMConfig(model=str(model), num_kv_blocks=256)
     engine = Engine(llm_cfg, spec)
     llm = LLMService(llm_cfg, engine, MediaFetcher(ctx, 10.0, engine.lm.config.hidden_size))
-    servers = [RpcServer(ctx, enc_addr, encoder.handle), RpcServer(ctx, llm_addr, llm.handle)]
+    servers = [
+        RpcServer(ctx, enc_addr, encoder.handle, quick=encoder.quick),
+        RpcServer(ctx, llm_addr, llm.handle, quick=llm.quick),
+    ]
     tasks = [asyncio.create_task(s.serve_forever()) for s in servers]
     cfg = ProcessorConfig(model=str(model), encoder=enc_addr, llm=llm_addr)
     stages = StageClients(ctx, [enc_addr], [llm_addr])
