@@ -271,7 +271,9 @@ class RpcServer:
         quick: QuickHandler | None = None,
     ):
         self.sock = _Socket(ctx, zmq.ROUTER, on_message=self._on_request)
-        self.sock.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # NOTE: a reply to a peer whose queue is full waits (EAGAIN, queued here) instead of being
+        # dropped; one to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
+        self.sock.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.sock.bind(address)
         self.address = self.sock.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._handler = handler

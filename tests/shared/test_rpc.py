@@ -300,3 +300,70 @@ async def test_notify_delivers_without_a_reply(rpc: Harness):
         assert rpc.received == [Abort(request_id=123)]
     finally:
         client.close()
+
+
+async def test_socket_loses_nothing_under_backpressure():
+    """High-water marks of 1 force every path: sends that would block queue and flush on
+    readiness, replies are queued without waiting, and every wake-up drains the socket.
+    500 echoes of mixed sizes over tcp must all come back, in order per sender."""
+    from shared.rpc import _Socket
+
+    ctx = zmq.Context()
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    def echo(frames):
+        router.send_nowait([frames[0], frames[1]])
+
+    def collect(frames):
+        got.append(frames[0].bytes[:8])
+        if len(got) == 500:
+            done.set()
+
+    router = _Socket(ctx, zmq.ROUTER, echo)
+    router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # as RpcServer: full peers make replies wait
+    dealer = _Socket(ctx, zmq.DEALER, collect)
+    for s in (router, dealer):
+        s.sock.setsockopt(zmq.SNDHWM, 1)
+        s.sock.setsockopt(zmq.RCVHWM, 1)
+    port = router.sock.bind_to_random_port("tcp://127.0.0.1")
+    dealer.sock.connect(f"tcp://127.0.0.1:{port}")
+    router.start()
+    try:
+        sizes = [8, 300_000, 64, 2_000_000]
+        payloads = [i.to_bytes(8, "little") + bytes(sizes[i % 4]) for i in range(500)]
+        await asyncio.gather(*(dealer.send([p]) for p in payloads))
+        await asyncio.wait_for(done.wait(), 60)
+        assert got == [p[:8] for p in payloads]
+    finally:
+        router.close()
+        dealer.close()
+        ctx.term()
+
+
+async def test_a_send_that_consumes_the_readiness_signal_still_delivers():
+    """ZeroMQ's descriptor signals changes, and a send reads (clears) that signal: a message that
+    arrived just before our send must still be delivered, with nothing else happening after."""
+    from shared.rpc import _Socket
+
+    ctx = zmq.Context()
+    got: list[bytes] = []
+    ours = _Socket(ctx, zmq.DEALER, lambda frames: got.append(frames[0].bytes))
+    peer = ctx.socket(zmq.DEALER)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    ours.sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        await ours.send([b"hello"])
+        assert peer.recv() == b"hello"  # connected both ways
+        await asyncio.sleep(0.1)  # the loop has settled: nothing pending
+        peer.send(b"for you")
+        time.sleep(0.2)  # it arrives and signals the descriptor, while the loop does not turn
+        await ours.send([b"again"])  # this send processes ZeroMQ's commands: the signal is gone
+        deadline = time.monotonic() + 2
+        while not got and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert got == [b"for you"]
+    finally:
+        ours.close()
+        peer.close(linger=0)
+        ctx.term()
