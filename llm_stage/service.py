@@ -196,6 +196,7 @@ class LLMService:
         self.engine.submit(seq)
         self._wakeup.set()
         tokens: list[int] = []
+        last = None
         try:
             while True:
                 outs = [await queue.get()]
@@ -219,6 +220,9 @@ class LLMService:
             self._streams.pop(seq.seq_id, None)
             self._refs.pop(seq.seq_id, None)
             self._by_request.pop(key, None)
+            if last is None or last.finish_reason is None:  # the caller is gone or we are stopping
+                self.engine.cancel(seq.seq_id)
+                self._wakeup.set()
 
     # --- the engine loop ----------------------------------------------------------------
 

@@ -317,6 +317,11 @@ class RpcServer:
             await self._handler(msg, responder)
         except asyncio.CancelledError:
             raise
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                log.info("%s: the caller of %s is gone", self._name, type(msg).__name__)
+            else:
+                log.exception("%s: cannot answer %s", self._name, type(msg).__name__)
         except Exception as exc:  # a bad request must never take the stage down
             log.exception("%s: handler failed for %s", self._name, type(msg).__name__)
             with contextlib.suppress(Exception):
