@@ -3,15 +3,29 @@
 Blocks are reference counted. A block nobody references sits in the free
 queue, still holding its hash and contents, so a later request can revive it;
 allocation takes the least recently freed block and only then forgets its hash.
+
+Past the last full block that matches, a request can still share the *start* of
+a cached block: the same image followed by a new question shares the image's
+tail tokens, which sit in a block that also holds the old question. Every cached
+block is indexed under its parent's hash, so the children of the last matched
+block are compared token by token (and by media identity); the longest common
+start is copied into a fresh block (copy on write) instead of being recomputed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from llm_stage.sequence import Sequence
 from shared.block_hash import BlockHash
+from shared.messages import MediaSpan
+
+MAX_PARTIAL_CANDIDATES = 16  # children of one parent compared per match, most recent first
+
+# (chunk key, chunk start - block start) of every media chunk overlapping a block, in order
+BlockMedia = tuple[tuple[bytes, int], ...]
 
 
 @dataclass(slots=True)
@@ -20,6 +34,22 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()  # the block's tokens, to confirm a hash hit
+    parent: BlockHash | None = None  # the previous block's hash (the root for a first block)
+    media: BlockMedia = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Cached full blocks, and optionally a block whose first ``tokens`` tokens come next."""
+
+    blocks: list[int]
+    partial: tuple[int, int] | None = None  # (block id, tokens)
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.blocks) * block_size + (self.partial[1] if self.partial else 0)
+
+    def held(self) -> list[int]:
+        return self.blocks + ([self.partial[0]] if self.partial else [])
 
 
 @dataclass(slots=True)
@@ -37,6 +67,7 @@ class BlockManager:
         # NOTE: insertion order is eviction order (front = least recently freed).
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
+        self.children: dict[BlockHash, dict[int, None]] = {}  # parent hash → cached blocks, oldest first
         self.stats = CacheStats()
 
     @property
@@ -48,20 +79,60 @@ class BlockManager:
 
     # --- prefix matching ----------------------------------------------------
 
-    def match_prefix(self, hashes: list[BlockHash], token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix of ``hashes``, confirmed against stored tokens."""
+    def match_prefix(
+        self,
+        hashes: list[BlockHash],
+        token_ids: list[int],
+        spans: Seq[MediaSpan] = (),
+        root: BlockHash | None = None,
+        limit: int | None = None,
+    ) -> PrefixMatch:
+        """The longest cached prefix of a prompt within its first ``limit`` tokens: full blocks by
+        ``hashes`` (confirmed against stored tokens), then, given the ``root`` hash, the longest
+        start of a cached block that follows them."""
         if not self.enable_caching:
-            return []
-        out: list[int] = []
+            return PrefixMatch([])
         size = self.block_size
-        for i, block_hash in enumerate(hashes):
+        limit = len(token_ids) if limit is None else limit
+        out: list[int] = []
+        for i, block_hash in enumerate(hashes[: limit // size]):
             block_id = self.cached.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != tuple(
                 token_ids[i * size : (i + 1) * size]
             ):
                 break
             out.append(block_id)
-        return out
+        parent = hashes[len(out) - 1] if out else root
+        if parent is None or parent not in self.children:
+            return PrefixMatch(out)
+        start = len(out) * size
+        want = token_ids[start : min(start + size, limit)]
+        return PrefixMatch(out, self._longest_start(parent, want, block_media(spans, start, size)))
+
+    def _longest_start(self, parent: BlockHash, want: list[int], media: BlockMedia) -> tuple[int, int] | None:
+        best = None
+        candidates = list(self.children[parent])[-MAX_PARTIAL_CANDIDATES:]
+        for block_id in reversed(candidates):
+            block = self.blocks[block_id]
+            n = 0
+            for a, b in zip(want, block.token_ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            # A media token is the same only if it is the same chunk at the same place.
+            for (key_a, at_a), (key_b, at_b) in zip(media, block.media, strict=False):
+                if key_a != key_b or at_a != at_b:
+                    n = min(n, max(min(at_a, at_b), 0))
+                    break
+            else:
+                if len(media) != len(block.media):
+                    extra = (media if len(media) > len(block.media) else block.media)[
+                        min(len(media), len(block.media))
+                    ]
+                    n = min(n, max(extra[1], 0))
+            if n and (best is None or n > best[1]):
+                best = (block_id, n)
+        return best
 
     def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Room for ``cached`` (revived) plus fresh blocks covering ``num_new_tokens`` more tokens?"""
@@ -85,13 +156,31 @@ class BlockManager:
             if block.ref_count == 0:
                 self._to_free_queue(block)
 
-    def allocate(self, seq: Sequence, cached: list[int]) -> None:
-        """Admit ``seq`` with its cached prefix blocks (its new tokens get blocks via :meth:`grow`)."""
-        assert not seq.block_table
-        self.hold(cached)
-        seq.block_table.extend(cached)
-        seq.num_computed_tokens = len(cached) * self.block_size
+    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+        """Admit ``seq`` with its cached prefix (its new tokens get blocks via :meth:`grow`).
+
+        A partial match takes a fresh block now and leaves ``seq.kv_copy`` for the model runner,
+        which copies the shared start into it before the step that first computes ``seq``.
+        """
+        assert not seq.block_table and seq.kv_copy is None
+        self.hold(match.held())
+        seq.block_table.extend(match.blocks)
+        seq.num_computed_tokens = len(match.blocks) * self.block_size
+        if match.partial is not None:
+            if self.free:
+                source, tokens = match.partial
+                seq.block_table.append(self._take_free())
+                seq.kv_copy = (source, seq.block_table[-1], tokens)
+                seq.num_computed_tokens += tokens
+            else:
+                self.release([match.partial[0]])
         seq.num_cached_tokens = seq.num_computed_tokens
+
+    def copied(self, seq: Sequence) -> None:
+        """The runner copied ``seq``'s shared block start: let go of the source block."""
+        if seq.kv_copy is not None:
+            self.release([seq.kv_copy[0]])
+            seq.kv_copy = None
 
     # --- growth and release -----------------------------------------------------
 
@@ -115,8 +204,13 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = ()
+            siblings = self.children.get(block.parent)
+            if siblings is not None:
+                siblings.pop(block_id, None)
+                if not siblings:
+                    del self.children[block.parent]
+            block.block_hash = block.parent = None
+            block.token_ids = block.media = ()
             self.stats.evictions += 1
         block.ref_count = 1
         return block_id
@@ -133,12 +227,31 @@ class BlockManager:
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             # NOTE: if an identical block was computed concurrently, the first stays canonical.
-            self.cached.setdefault(hashes[i], block.block_id)
+            if self.cached.setdefault(hashes[i], block.block_id) == block.block_id:
+                block.parent = hashes[i - 1] if i else seq.root_hash
+                block.media = block_media(seq.spans, i * self.block_size, self.block_size)
+                self.children.setdefault(block.parent, {})[block.block_id] = None
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""
+        self.copied(seq)  # a copy that never ran needs its source no more
         self.release(seq.block_table)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+
+
+def block_media(spans: Seq[MediaSpan], start: int, size: int) -> BlockMedia:
+    """(chunk key, chunk start - ``start``) of the chunks overlapping tokens ``[start, start + size)``."""
+    out = []
+    for span in sorted(spans, key=lambda s: s.offset):
+        n = span.tokens_per_chunk
+        first = max(0, (start - span.offset) // n)
+        for i in range(first, len(span.chunk_keys)):
+            chunk_start = span.offset + i * n
+            if chunk_start >= start + size:
+                break
+            if chunk_start + n > start:
+                out.append((span.chunk_keys[i], chunk_start - start))
+    return tuple(out)

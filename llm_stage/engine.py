@@ -23,6 +23,7 @@ from llm_stage.text_model import TextLM
 from shared.block_hash import BlockHash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
+from shared.messages import MediaSpan
 from shared.torch_utils import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -62,22 +63,30 @@ class Engine:
 
     # --- called from the event loop ------------------------------------------------
 
-    def probe(self, hashes: list[BlockHash], token_ids: list[int], ttl: float) -> tuple[int, int]:
+    def probe(
+        self,
+        hashes: list[BlockHash],
+        token_ids: list[int],
+        spans: list[MediaSpan],
+        root: BlockHash,
+        ttl: float,
+    ) -> tuple[int, int]:
         """Cached prefix length (tokens) of a prompt; pins the matched blocks for ``ttl`` seconds.
 
         Returns:
             (cached tokens, probe id to pass on so the pin is released early; 0 if nothing pinned)
         """
-        size = self.blocks.block_size
         with self.lock:
             self._expire_probes()
-            blocks = self.blocks.match_prefix(hashes[: (len(token_ids) - 1) // size], token_ids)
-            if not blocks:
+            # NOTE: at least the last token is always computed: its logits give the next token.
+            match = self.blocks.match_prefix(hashes, token_ids, spans, root, len(token_ids) - 1)
+            held = match.held()
+            if not held:
                 return 0, 0
-            self.blocks.hold(blocks)
+            self.blocks.hold(held)
             probe_id = next(self._probe_ids)
-            self._probes[probe_id] = (blocks, time.monotonic() + ttl)
-        return len(blocks) * size, probe_id
+            self._probes[probe_id] = (held, time.monotonic() + ttl)
+        return match.num_tokens(self.blocks.block_size), probe_id
 
     def release_probe(self, probe_id: int) -> None:
         with self.lock:
@@ -94,10 +103,8 @@ class Engine:
         """Attach the cached prefix to ``seq`` before its media rows are fetched; returns its length."""
         if not self.blocks.enable_caching:
             return 0
-        size = self.blocks.block_size
         with self.lock:
-            hashes = seq.update_block_hashes(size)[: (seq.num_tokens - 1) // size]
-            self.blocks.allocate(seq, self.blocks.match_prefix(hashes, seq.token_ids))
+            self.blocks.allocate(seq, self.scheduler.match(seq))
         return seq.num_computed_tokens
 
     def drop(self, seq: Sequence) -> None:
@@ -148,6 +155,10 @@ class Engine:
                 if out is not None:
                     outputs.append(out)
             batch = self.scheduler.schedule()
+            for seq, _ in batch:
+                if seq.kv_copy is not None:
+                    self.runner.copy_block_start(*seq.kv_copy)
+                    self.blocks.copied(seq)
         if not batch:
             return outputs
         try:

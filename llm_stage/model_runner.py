@@ -65,6 +65,12 @@ class ModelRunner:
         self.device = kv.k.device
         self._block_offsets = torch.arange(kv.block_size, device=self.device)
 
+    def copy_block_start(self, source: int, target: int, tokens: int) -> None:
+        """Copy the K/V of the first ``tokens`` slots of block ``source`` into block ``target``."""
+        src, dst = source * self.kv.block_size, target * self.kv.block_size
+        for cache in (self.kv.k, self.kv.v):
+            cache[:, dst : dst + tokens] = cache[:, src : src + tokens]
+
     def _slots(self, tables: list[list[int]], length: int) -> torch.Tensor:
         """Cache slots of tokens ``[0, length)`` for each block table: (len(tables), length)."""
         width = -(-length // self.kv.block_size)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from llm_stage.block_manager import BlockManager
+from llm_stage.block_manager import BlockManager, PrefixMatch
 from llm_stage.sequence import SeqStatus, Sequence
 
 
@@ -102,21 +102,26 @@ class Scheduler:
             ):
                 return _Admit.NO_ROOM
         else:
-            cached: list[int] = []
-            if self.blocks.enable_caching:
-                # NOTE: at least the last token is always computed: its logits give the next token.
-                hashes = seq.update_block_hashes(size)[: (seq.num_tokens - 1) // size]
-                cached = self.blocks.match_prefix(hashes, seq.token_ids)
-            if len(cached) * size < seq.rows_floor:
+            match = self.match(seq)
+            if match.num_tokens(size) < seq.rows_floor:
                 # Resumed after preemption, but part of the prefix it never fetched rows for is gone.
                 return _Admit.PARK
+            cached = match.blocks
             if not self.blocks.can_allocate(seq, cached, min(seq.num_tokens - len(cached) * size, budget)):
                 return _Admit.NO_ROOM
-            self.blocks.allocate(seq, cached)
+            self.blocks.allocate(seq, match)
         if seq.num_preemptions == 0:
             self.blocks.stats.queries += seq.num_prompt_tokens
             self.blocks.stats.hits += seq.num_cached_tokens
         return _Admit.RUN
+
+    def match(self, seq: Sequence) -> PrefixMatch:
+        """``seq``'s cached prefix; at least its last token is always computed (its logits give
+        the next token)."""
+        if not self.blocks.enable_caching:
+            return PrefixMatch([])
+        hashes = seq.update_block_hashes(self.blocks.block_size)
+        return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.root_hash, seq.num_tokens - 1)
 
     def _release_waiting_holds(self) -> bool:
         """Nothing runs and the head cannot start: the prefixes other waiting sequences hold are

@@ -52,6 +52,7 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens) still to copy
 
     @property
     def num_tokens(self) -> int:

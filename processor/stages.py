@@ -51,8 +51,9 @@ class StageClients:
         return self._kv_identity
 
     async def route(self, probe: ProbeRequest, timeout: float) -> Route:
-        """Probe every LLM replica; take the longest cached prefix, then the lightest load, then
-        the replica the prompt's first block hashes to (shared.routing)."""
+        """Probe every LLM replica; take the most cached full blocks, then the lightest load, then
+        the replica the prompt's first block hashes to (shared.routing). (A replica that shares
+        only the start of a block, such as a chat template's first tokens, has no real lead.)"""
         identity = await self.kv_identity(timeout)
         if identity is not None:
             fp, size = identity
@@ -68,8 +69,9 @@ class StageClients:
             errors = [r for r in replies if isinstance(r, BaseException)]
             raise errors[0] if errors else ConnectionError("no LLM replica")
         affinity = probe.block_hashes[0] if probe.block_hashes else probe.prompt_token_ids.numpy().tobytes()
+        size = max(probe.block_size, 1)
         client, best = max(
-            live, key=lambda cr: (cr[1].cached_tokens, -cr[1].load, weight(cr[0].address, affinity))
+            live, key=lambda cr: (cr[1].cached_tokens // size, -cr[1].load, weight(cr[0].address, affinity))
         )
         for other, reply in live:
             if other is not client and reply.probe_id:

@@ -131,15 +131,16 @@ def test_growing_video_encodes_only_new_chunks_and_partially_hits(cached, baseli
     after = metrics(cached)
     usage = long_out["usage"]
     assert after["mmcache_encoder_chunks_encoded"] - before["mmcache_encoder_chunks_encoded"] == 4
-    # The prefix cache ends inside the video: at the last full block before the first new chunk.
+    # The prefix cache ends inside the video, exactly where the first new chunk starts: the full
+    # blocks before it, then the shared start of the block that holds that boundary (copied).
     video_start = _first_video_token(long_out["prompt_token_ids"])
     per_chunk = 64  # 224x224 frames → 16x16 patches → 64 tokens per temporal chunk
     shared_end = video_start + 4 * per_chunk
     cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-    assert cached_tokens == shared_end // BLOCK * BLOCK
-    assert video_start < cached_tokens < video_start + 8 * per_chunk
+    assert shared_end % BLOCK  # the boundary is inside a block ...
+    assert cached_tokens == shared_end  # ... and the prefix still reaches it
     rows = after["mmcache_llm_embedding_rows_fetched"] - before["mmcache_llm_embedding_rows_fetched"]
-    assert rows == video_start + 8 * per_chunk - cached_tokens  # only the rows after the cached prefix
+    assert rows == 4 * per_chunk  # only the new chunks' rows
     assert tokens(long_out) == tokens(ok(baseline, body))
 
 

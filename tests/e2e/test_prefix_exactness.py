@@ -79,8 +79,12 @@ def send(server: Server, body: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_model):
+    # Chunked prefill (64 tokens a step) admits sequences before their whole prompt has blocks,
+    # so concurrent prompts outgrow the 48-block pool and preempt each other.
     pressured = Server(
-        tiny_model, "--num-kv-blocks", "48", "--max-num-seqs", "4", "--encoder-cache-gb", "0.0003"
+        tiny_model,
+        *("--num-kv-blocks", "48", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"),
+        *("--encoder-cache-gb", "0.0003"),
     )
     baseline = Server(tiny_model, "--no-cache")
     yield pressured, baseline

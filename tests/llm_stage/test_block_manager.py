@@ -33,13 +33,20 @@ def make_seq(seq_id: int, ids: list[int], spans: list[MediaSpan] | None = None, 
     )
 
 
+def match(bm: BlockManager, seq: Sequence):
+    """What the scheduler matches: at most all tokens but the last."""
+    return bm.match_prefix(
+        seq.update_block_hashes(B), seq.token_ids, seq.spans, seq.root_hash, seq.num_tokens - 1
+    )
+
+
 def admit(bm: BlockManager, seq: Sequence) -> int:
     """Match, allocate and fill ``seq``'s prompt as the scheduler would; returns the hit in tokens."""
-    hashes = seq.update_block_hashes(B)[: (seq.num_tokens - 1) // B]
-    cached = bm.match_prefix(hashes, seq.token_ids)
-    assert bm.can_allocate(seq, cached, seq.num_tokens - len(cached) * B)
-    bm.allocate(seq, cached)
+    found = match(bm, seq)
+    assert bm.can_allocate(seq, found.blocks, seq.num_tokens - len(found.blocks) * B)
+    bm.allocate(seq, found)
     hit = seq.num_computed_tokens
+    bm.copied(seq)  # (the runner's copy of a shared block start)
     bm.grow(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.commit(seq, seq.update_block_hashes(B))
@@ -71,7 +78,8 @@ def test_full_prompt_hit_still_computes_the_last_token():
     ids = list(range(8))  # exactly two blocks
     admit(bm, make_seq(1, ids))
     again = make_seq(2, ids)
-    assert admit(bm, again) == 4  # (8 - 1) // 4 = 1 block: the last token is recomputed
+    assert admit(bm, again) == 7  # block 0, then 3 of block 1's tokens copied: the last is recomputed
+    assert again.block_table[0] == 0 and again.block_table[1] != 1  # its own copy of block 1
 
 
 def test_freed_blocks_stay_cached_and_are_revived():
@@ -132,7 +140,7 @@ def test_hash_hit_is_confirmed_against_stored_tokens():
     forged = make_seq(2, [*list(range(4)), 40, 41, 42, 43, 44])
     hashes = forged.update_block_hashes(B)
     hashes[1] = a.block_hashes[1]  # pretend a collision on block 1
-    assert bm.match_prefix(hashes[:2], forged.token_ids) == [0]
+    assert bm.match_prefix(hashes[:2], forged.token_ids).blocks == [0]
 
 
 def test_hold_and_release_keep_blocks_out_of_the_free_queue():
@@ -181,8 +189,7 @@ def test_held_prefixes_of_waiting_sequences_cannot_deadlock_the_pool():
         bm.free_seq(s)
     a, b = make_seq(1, [*range(12), 55, 56, 57, 58, 59]), make_seq(2, [*range(100, 112), 66, 67, 68])
     for seq in (a, b):
-        hashes = seq.update_block_hashes(B)[: (seq.num_tokens - 1) // B]
-        bm.allocate(seq, bm.match_prefix(hashes, seq.token_ids))  # what LLMService does before submit
+        bm.allocate(seq, match(bm, seq))  # what LLMService does before submit
         seq.rows_floor = seq.num_computed_tokens
         sched.add(seq)
     assert bm.num_free_blocks == 0
@@ -201,3 +208,80 @@ def test_held_prefixes_of_waiting_sequences_cannot_deadlock_the_pool():
             parked.rows_floor = 0
             sched.add(parked)
     assert a.finish_reason == b.finish_reason == "length"
+
+
+# --- sharing the start of a block ---------------------------------------------------------
+
+
+def image_prompt(question: list[int], key: bytes = b"K" * 16) -> tuple[list[int], list[MediaSpan]]:
+    """5 text tokens, a 6-token image at [5, 11), then the question (B = 4: the image ends inside
+    block 2, which it shares with the question's first token)."""
+    span = MediaSpan(5, "image", (1, 2, 12), [key])  # 1 * 2 * 12 / 4 = 6 tokens
+    return [1, 2, 3, 4, 5, *[IMG] * 6, *question], [span]
+
+
+def test_new_question_about_the_same_image_shares_the_image_tail():
+    bm = BlockManager(20, B, enable_caching=True)
+    a = make_seq(1, *image_prompt([60, 61, 62, 63, 64]))
+    admit(bm, a)
+    b = make_seq(2, *image_prompt([70, 71, 72]))
+    found = match(bm, b)
+    assert found.blocks == a.block_table[:2]  # tokens 0..7
+    assert found.partial == (a.block_table[2], 3)  # tokens 8, 9, 10: the image's tail
+    bm.allocate(b, found)
+    assert b.num_computed_tokens == b.num_cached_tokens == 11
+    own = b.block_table[2]
+    assert own not in a.block_table and b.kv_copy == (a.block_table[2], own, 3)
+    assert bm.blocks[a.block_table[2]].ref_count == 2  # the source is pinned until copied ...
+    bm.copied(b)
+    assert bm.blocks[a.block_table[2]].ref_count == 1 and b.kv_copy is None  # ... then let go
+
+
+def test_a_different_image_with_the_same_placeholders_shares_only_the_text_before_it():
+    bm = BlockManager(20, B, enable_caching=True)
+    admit(bm, make_seq(1, *image_prompt([60, 61])))
+    other = make_seq(2, *image_prompt([60, 61], key=b"Q" * 16))
+    found = match(bm, other)
+    assert len(found.blocks) == 1  # block 1 holds the image's start: its hash differs
+    assert found.partial is not None and found.partial[1] == 1  # token 4, not the image at 5
+    assert found.num_tokens(B) == 5
+
+
+def test_the_same_image_one_token_later_shares_nothing_of_it():
+    bm = BlockManager(20, B, enable_caching=True)
+    admit(bm, make_seq(1, *image_prompt([60, 61])))
+    ids, _ = image_prompt([60, 61])
+    shifted = make_seq(2, [1, 2, 3, 4, 5, 9, *ids[5:]], [MediaSpan(6, "image", (1, 2, 12), [b"K" * 16])])
+    assert match(bm, shifted).num_tokens(B) == 5
+
+
+def test_a_shared_start_never_covers_the_last_token():
+    bm = BlockManager(20, B, enable_caching=True)
+    admit(bm, make_seq(1, list(range(10))))
+    found = match(bm, make_seq(2, list(range(7))))
+    assert found.num_tokens(B) == 6  # block 0 and 2 tokens of block 1; token 6 is computed
+
+
+def test_an_evicted_block_is_no_longer_shared():
+    bm = BlockManager(4, B, enable_caching=True)
+    a = make_seq(1, list(range(10)))  # blocks 0, 1, 2 (block 2 is partial: never cached)
+    admit(bm, a)
+    bm.free_seq(a)
+    admit(bm, b := make_seq(2, list(range(100, 116))))  # needs all 4 blocks: evicts a's
+    assert match(bm, make_seq(3, list(range(7)))).num_tokens(B) == 0
+    # no index entry outlives its block: only b's cached blocks are indexed, under their parents
+    indexed = {(parent, block_id) for parent, ids in bm.children.items() for block_id in ids}
+    assert indexed == {(bm.blocks[i].parent, i) for i in b.block_table if bm.blocks[i].block_hash}
+
+
+def test_freeing_a_sequence_before_its_copy_releases_the_source():
+    bm = BlockManager(20, B, enable_caching=True)
+    a = make_seq(1, *image_prompt([60, 61, 62]))
+    admit(bm, a)
+    bm.free_seq(a)
+    b = make_seq(2, *image_prompt([70, 71]))
+    bm.allocate(b, match(bm, b))
+    source = b.kv_copy[0]
+    assert bm.blocks[source].ref_count == 1
+    bm.free_seq(b)  # preempted or aborted before its first step
+    assert bm.blocks[source].ref_count == 0 and source in bm.free and b.kv_copy is None

@@ -205,8 +205,7 @@ def test_same_placeholders_different_image_is_no_prefix_hit(env: Env):
     fresh = make_engine(env)
     assert second == run(fresh, [make_seq(env, fresh, 2, b, GREEDY)])[2]
     assert second != first
-    size = engine.blocks.block_size
-    assert seq_b.num_cached_tokens == b.spans[0].offset // size * size
+    assert seq_b.num_cached_tokens == b.spans[0].offset  # the text before the image, not one token more
 
 
 CONCURRENT = [
@@ -260,8 +259,7 @@ def test_identical_prompts_share_the_prefix_cache_and_agree(env: Env):
     seq = make_seq(env, engine, 2, prompt, GREEDY)
     second = run(engine, [seq])[2]
     assert second == first
-    size = engine.blocks.block_size
-    assert seq.num_cached_tokens == (len(prompt.token_ids) - 1) // size * size > 0
+    assert seq.num_cached_tokens == len(prompt.token_ids) - 1  # all but the last token
 
 
 SAMPLED = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
@@ -333,3 +331,36 @@ def test_max_tokens_one(env: Env):
     ]
     assert reason == "length" and len(tokens) == 1
     assert tokens == hf_greedy(env, prompt, 1)
+
+
+def test_new_question_about_a_cached_image_copies_the_image_tail_and_agrees(env: Env):
+    """The block holding the image's last tokens also held the first question: the second
+    question shares that block's start (copied, not recomputed): its K/V there equal what a
+    fresh engine computes, and it answers as a fresh engine does."""
+    first = make_prompt(env, "Describe the picture in one word.", images=[(300, 200, 8)])
+    second = make_prompt(env, "Which colour dominates?", images=[(300, 200, 8)])
+    engine, fresh = make_engine(env), make_engine(env)
+    run(engine, [make_seq(env, engine, 1, first, GREEDY)])
+    seqs = [make_seq(env, e, 2, second, GREEDY) for e in (engine, fresh)]
+    for e, seq in zip((engine, fresh), seqs, strict=True):
+        e.submit(seq)
+        e.step()  # the whole prompt fits one step: its K/V are all in the cache now
+    image_end = second.spans[0].offset + second.spans[0].tokens_per_chunk
+    size = engine.blocks.block_size
+    assert image_end % size  # the image ends inside a block ...
+    cached = seqs[0].num_cached_tokens
+    assert cached >= image_end and cached % size  # ... and none of it is recomputed: that block is shared
+    start = cached // size * size
+
+    def kv(e: Engine, seq) -> torch.Tensor:
+        slots = [seq.block_table[t // size] * size + t % size for t in range(start, cached)]
+        return torch.stack([e.kv.k[:, slots], e.kv.v[:, slots]])
+
+    torch.testing.assert_close(kv(engine, seqs[0]), kv(fresh, seqs[1]), atol=1e-5, rtol=1e-5)
+    tokens = {}
+    for e, seq in zip((engine, fresh), seqs, strict=True):
+        out = [seq.token_ids[-1]]
+        while e.has_work():
+            out += [o.token_id for o in e.step() if o.token_id is not None]
+        tokens[e] = out
+    assert tokens[engine] == tokens[fresh]
