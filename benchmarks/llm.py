@@ -6,16 +6,17 @@
     (goal >= 3x). mmcache and HF rounds alternate, so both see the same background load;
     HF runs with one torch thread (its fastest setting for this model here).
 (b) An all-unique workload (every request its own random prompt, random system message
-    first, so no two share even one block) on a server with the prefix cache on vs one
-    started with ``--no-cache``: output tokens/s ratio (goal >= 0.97x). Rounds alternate
-    between the two servers; every round has new prompts, so nothing repeats.
+    first, so no two share more than the chat template's first tokens) on a server with the
+    prefix cache on vs one started with ``--no-cache``: output tokens/s ratio (goal >= 0.97x).
+    Rounds alternate between the two servers; every round has new prompts, so nothing repeats.
 (c) TTFT (request sent -> first streamed content chunk) of a request whose system prompt and
     448x448 image (a ``data:`` URL) are cached, over the TTFT of a text-only request with the
     same new question (goal <= 1.5x); for a typical (~200-token) and a long (~2k-token) system
     prompt. NOTE: on this tiny model attention over the cached context is most of a prefill's
     compute, so the long prompt's new tokens cost several times a short prompt's; on a real-size
-    model the MLPs dominate and that share shrinks. Every iteration asks a new question;
-    the two kinds alternate.
+    model the MLPs dominate and that share shrinks. Every request asks a new question; the
+    kinds alternate. For context: the same with the image named by ``uuid`` (no bytes sent),
+    and a text request with the cached system prompt but no image.
 Both servers start at once and are stopped at the end. They run with the environment users
 give them; ``MMCACHE_BENCH_SERVER_THREADS=N`` sets ``OMP_NUM_THREADS=N`` for every stage.
 """
@@ -172,8 +173,10 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
         for name, server in order:
             wall, tokens, replies = await batch(session, server, payloads)
             assert tokens == n * MAX_TOKENS, tokens
-            cached = sum(x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in replies)
-            assert cached == 0, f"an all-unique workload hit the prefix cache ({cached} tokens)"
+            # Unique text after the chat template's first tokens: at most the start of one block
+            # (those template tokens) can be shared.
+            cached = max(x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in replies)
+            assert cached < 16, f"an all-unique workload hit the prefix cache ({cached} tokens)"
             prompt_tokens = sum(x["usage"]["prompt_tokens"] for x in replies) // n
             rates[name].append(tokens / wall)
         say(
@@ -236,7 +239,9 @@ async def ttft_cached(session, server: Server, model: str, quick: bool, system_w
         times["cached"].append(t)
         cached_tokens.append(usage["prompt_tokens_details"]["cached_tokens"])
         assert usage["mm_cache"]["processor_hits"] == 1, usage
-        t, usage = await ttft(session, server, uuid_request(question))
+        # its own question: the same question again would find its tokens cached (the image's
+        # pixels are the same, so are its chunk keys), which no user's new question does
+        t, usage = await ttft(session, server, uuid_request("Now tell me: " + words(rng, 10) + "?"))
         times["cached-uuid"].append(t)
         assert usage["mm_cache"]["processor_hits"] == 1, usage
         t, _ = await ttft(session, server, text_request(question))
