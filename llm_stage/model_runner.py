@@ -169,16 +169,19 @@ class ModelRunner:
         """q: (1, heads, rows, head_dim) → (rows, heads * head_dim)."""
         out = torch.empty_like(q[0].transpose(0, 1))  # (rows, heads, head_dim)
         scale = self.lm.scaling
+        # NOTE: index_select, not advanced indexing: the same gather, several times faster on CPU.
         for rows, context, mask, causal in plan.prefills:
-            keys = k_cache[context].transpose(0, 1)[None]
-            values = v_cache[context].transpose(0, 1)[None]
+            keys = k_cache.index_select(0, context).transpose(0, 1)[None]
+            values = v_cache.index_select(0, context).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 q[:, :, rows], keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
             )
             out[rows] = o[0].transpose(0, 1)
         if plan.decode_rows is not None:
-            keys = k_cache[plan.decode_slots].transpose(1, 2)  # (B, kv_heads, longest, head_dim)
-            values = v_cache[plan.decode_slots].transpose(1, 2)
+            slots = plan.decode_slots.reshape(-1)
+            shape = (*plan.decode_slots.shape, *k_cache.shape[1:])  # (B, longest, kv_heads, head_dim)
+            keys = k_cache.index_select(0, slots).view(shape).transpose(1, 2)
+            values = v_cache.index_select(0, slots).view(shape).transpose(1, 2)
             query = q[0, :, plan.decode_rows].transpose(0, 1)[:, :, None]  # (B, heads, 1, head_dim)
             o = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
