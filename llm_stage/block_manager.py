@@ -14,6 +14,7 @@ start is copied into a fresh block (copy on write) instead of being recomputed.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] = ()  # the block's tokens, to confirm a hash hit
-    parent: BlockHash | None = None  # the previous block's hash (the root for a first block)
+    parent: BlockHash | None = None  # the previous block's hash (None for a first block)
     media: BlockMedia = ()
 
 
@@ -84,12 +85,11 @@ class BlockManager:
         hashes: list[BlockHash],
         token_ids: list[int],
         spans: Seq[MediaSpan] = (),
-        root: BlockHash | None = None,
         limit: int | None = None,
     ) -> PrefixMatch:
         """The longest cached prefix of a prompt within its first ``limit`` tokens: full blocks by
-        ``hashes`` (confirmed against stored tokens), then, given the ``root`` hash, the longest
-        start of a cached block that follows them."""
+        ``hashes`` (confirmed against stored tokens), then the longest start of a cached block that
+        follows them (same tokens, same media chunks at the same places)."""
         if not self.enable_caching:
             return PrefixMatch([])
         size = self.block_size
@@ -102,17 +102,19 @@ class BlockManager:
             ):
                 break
             out.append(block_id)
-        parent = hashes[len(out) - 1] if out else root
-        if parent is None or parent not in self.children:
+        # NOTE: only a hit extends to a block's shared start. Without one the prefill would start at
+        # token 0, with the cheaper causal attention; a few shared template tokens don't pay for
+        # leaving it.
+        if not out or hashes[len(out) - 1] not in self.children:
             return PrefixMatch(out)
+        parent = hashes[len(out) - 1]
         start = len(out) * size
         want = token_ids[start : min(start + size, limit)]
         return PrefixMatch(out, self._longest_start(parent, want, block_media(spans, start, size)))
 
     def _longest_start(self, parent: BlockHash, want: list[int], media: BlockMedia) -> tuple[int, int] | None:
         best = None
-        candidates = list(self.children[parent])[-MAX_PARTIAL_CANDIDATES:]
-        for block_id in reversed(candidates):
+        for block_id in itertools.islice(reversed(self.children[parent]), MAX_PARTIAL_CANDIDATES):
             block = self.blocks[block_id]
             n = 0
             for a, b in zip(want, block.token_ids, strict=False):
@@ -204,7 +206,7 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
-            siblings = self.children.get(block.parent)
+            siblings = self.children.get(block.parent) if block.parent is not None else None
             if siblings is not None:
                 siblings.pop(block_id, None)
                 if not siblings:
@@ -227,8 +229,8 @@ class BlockManager:
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             # NOTE: if an identical block was computed concurrently, the first stays canonical.
-            if self.cached.setdefault(hashes[i], block.block_id) == block.block_id:
-                block.parent = hashes[i - 1] if i else seq.root_hash
+            if self.cached.setdefault(hashes[i], block.block_id) == block.block_id and i:
+                block.parent = hashes[i - 1]
                 block.media = block_media(seq.spans, i * self.block_size, self.block_size)
                 self.children.setdefault(block.parent, {})[block.block_id] = None
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)

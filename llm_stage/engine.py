@@ -68,7 +68,6 @@ class Engine:
         hashes: list[BlockHash],
         token_ids: list[int],
         spans: list[MediaSpan],
-        root: BlockHash,
         ttl: float,
     ) -> tuple[int, int]:
         """Cached prefix length (tokens) of a prompt; pins the matched blocks for ``ttl`` seconds.
@@ -79,7 +78,7 @@ class Engine:
         with self.lock:
             self._expire_probes()
             # NOTE: at least the last token is always computed: its logits give the next token.
-            match = self.blocks.match_prefix(hashes, token_ids, spans, root, len(token_ids) - 1)
+            match = self.blocks.match_prefix(hashes, token_ids, spans, len(token_ids) - 1)
             held = match.held()
             if not held:
                 return 0, 0

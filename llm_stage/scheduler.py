@@ -121,7 +121,7 @@ class Scheduler:
         if not self.blocks.enable_caching:
             return PrefixMatch([])
         hashes = seq.update_block_hashes(self.blocks.block_size)
-        return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.root_hash, seq.num_tokens - 1)
+        return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.num_tokens - 1)
 
     def _release_waiting_holds(self) -> bool:
         """Nothing runs and the head cannot start: the prefixes other waiting sequences hold are

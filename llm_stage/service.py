@@ -109,12 +109,12 @@ class LLMService:
         if self.cfg.prefix_cache:
             ids = msg.prompt_token_ids.tolist()
             hashes = msg.block_hashes
-            root = root_hash(self.spec.weights_fingerprint, msg.salt)
             if msg.block_size != self.cfg.block_size or len(hashes) != len(ids) // self.cfg.block_size:
+                root = root_hash(self.spec.weights_fingerprint, msg.salt)
                 hashes = block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
             # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
             # the request's own prefix is matched with hashes this stage computes itself.
-            cached, probe_id = self.engine.probe(hashes, ids, list(msg.spans), root, min(msg.ttl, 60.0))
+            cached, probe_id = self.engine.probe(hashes, ids, list(msg.spans), min(msg.ttl, 60.0))
         reply.send_nowait(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
 
     # --- generate -------------------------------------------------------------------------

@@ -35,9 +35,7 @@ def make_seq(seq_id: int, ids: list[int], spans: list[MediaSpan] | None = None, 
 
 def match(bm: BlockManager, seq: Sequence):
     """What the scheduler matches: at most all tokens but the last."""
-    return bm.match_prefix(
-        seq.update_block_hashes(B), seq.token_ids, seq.spans, seq.root_hash, seq.num_tokens - 1
-    )
+    return bm.match_prefix(seq.update_block_hashes(B), seq.token_ids, seq.spans, seq.num_tokens - 1)
 
 
 def admit(bm: BlockManager, seq: Sequence) -> int:
@@ -262,6 +260,15 @@ def test_a_shared_start_never_covers_the_last_token():
     assert found.num_tokens(B) == 6  # block 0 and 2 tokens of block 1; token 6 is computed
 
 
+def test_no_shared_start_without_a_full_block_hit():
+    """Sharing a few first tokens (a chat template's) would trade a from-scratch prefill for an
+    offset one, which costs more than those tokens: a shared start only extends a real hit."""
+    bm = BlockManager(20, B, enable_caching=True)
+    admit(bm, make_seq(1, list(range(10))))
+    assert match(bm, make_seq(2, [0, 1, 2, 99, 98, 97, 96])).num_tokens(B) == 0
+    assert match(bm, make_seq(3, [0, 1, 2, 3, 4, 5, 99, 98])).num_tokens(B) == 6
+
+
 def test_an_evicted_block_is_no_longer_shared():
     bm = BlockManager(4, B, enable_caching=True)
     a = make_seq(1, list(range(10)))  # blocks 0, 1, 2 (block 2 is partial: never cached)
@@ -271,7 +278,7 @@ def test_an_evicted_block_is_no_longer_shared():
     assert match(bm, make_seq(3, list(range(7)))).num_tokens(B) == 0
     # no index entry outlives its block: only b's cached blocks are indexed, under their parents
     indexed = {(parent, block_id) for parent, ids in bm.children.items() for block_id in ids}
-    assert indexed == {(bm.blocks[i].parent, i) for i in b.block_table if bm.blocks[i].block_hash}
+    assert indexed == {(bm.blocks[i].parent, i) for i in b.block_table[1:] if bm.blocks[i].block_hash}
 
 
 def test_freeing_a_sequence_before_its_copy_releases_the_source():
