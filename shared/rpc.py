@@ -43,6 +43,7 @@ class _Socket:
         self._outbox: collections.deque[tuple[list[Any], asyncio.Future | None]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump_scheduled = False
+        self._pumping = False
         self._closed = False
 
     def start(self) -> None:
@@ -53,12 +54,21 @@ class _Socket:
         self._pump_soon()
 
     def _pump_soon(self) -> None:
-        if not self._pump_scheduled:
+        # NOTE: a pump in progress (this call comes from a handler it runs) checks EVENTS again
+        # when the handler returns.
+        if not self._pump_scheduled and not self._pumping:
             self._pump_scheduled = True
             self._loop.call_soon(self._pump)
 
     def _pump(self) -> None:
         self._pump_scheduled = False
+        self._pumping = True
+        try:
+            self._drain()
+        finally:
+            self._pumping = False
+
+    def _drain(self) -> None:
         sock = self.sock
         while not self._closed:
             events = sock.get(zmq.EVENTS)
@@ -80,8 +90,12 @@ class _Socket:
                         done.set_result(None)
                     progressed = True
             if events & zmq.POLLIN:
-                self._on_message(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 progressed = True
+                try:
+                    self._on_message(frames)
+                except Exception:  # keep draining: the next message may be fine
+                    log.exception("dropping a message whose handler failed")
             if not progressed:
                 return
 
