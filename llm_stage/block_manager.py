@@ -136,11 +136,11 @@ class BlockManager:
                 best = (block_id, n)
         return best
 
-    def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
-        """Room for ``cached`` (revived) plus fresh blocks covering ``num_new_tokens`` more tokens?"""
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
-        total = len(cached) * self.block_size + num_new_tokens
-        fresh = self.blocks_needed(total) - len(cached)
+    def can_allocate(self, match: PrefixMatch, num_new_tokens: int) -> bool:
+        """Room to hold ``match`` (reviving its blocks; a shared start's source counts too, it is
+        held until copied) plus fresh blocks for ``num_new_tokens`` tokens after its full blocks?"""
+        revived = sum(1 for b in match.held() if self.blocks[b].ref_count == 0)
+        fresh = self.blocks_needed(len(match.blocks) * self.block_size + num_new_tokens) - len(match.blocks)
         return revived + fresh <= len(self.free)
 
     def hold(self, blocks: list[int]) -> None:

@@ -106,8 +106,7 @@ class Scheduler:
             if match.num_tokens(size) < seq.rows_floor:
                 # Resumed after preemption, but part of the prefix it never fetched rows for is gone.
                 return _Admit.PARK
-            cached = match.blocks
-            if not self.blocks.can_allocate(seq, cached, min(seq.num_tokens - len(cached) * size, budget)):
+            if not self.blocks.can_allocate(match, min(seq.num_tokens - len(match.blocks) * size, budget)):
                 return _Admit.NO_ROOM
             self.blocks.allocate(seq, match)
         if seq.num_preemptions == 0:

@@ -41,7 +41,7 @@ def match(bm: BlockManager, seq: Sequence):
 def admit(bm: BlockManager, seq: Sequence) -> int:
     """Match, allocate and fill ``seq``'s prompt as the scheduler would; returns the hit in tokens."""
     found = match(bm, seq)
-    assert bm.can_allocate(seq, found.blocks, seq.num_tokens - len(found.blocks) * B)
+    assert bm.can_allocate(found, seq.num_tokens - len(found.blocks) * B)
     bm.allocate(seq, found)
     hit = seq.num_computed_tokens
     bm.copied(seq)  # (the runner's copy of a shared block start)
@@ -292,3 +292,19 @@ def test_freeing_a_sequence_before_its_copy_releases_the_source():
     assert bm.blocks[source].ref_count == 1
     bm.free_seq(b)  # preempted or aborted before its first step
     assert bm.blocks[source].ref_count == 0 and source in bm.free and b.kv_copy is None
+
+
+def test_a_shared_start_source_counts_against_room():
+    """The source of a shared start is held until the copy: admission must count it, or the
+    blocks it takes out of the free queue could be missing when the prompt grows."""
+    bm = BlockManager(4, B, enable_caching=True)
+    a = make_seq(1, list(range(12)))  # 3 blocks, all cached
+    admit(bm, a)
+    table = list(a.block_table)
+    bm.free_seq(a)
+    b = make_seq(2, [*range(6), 90, 91, 92, 93, 94, 95, 96, 97, 98])  # block 0, then 2 shared tokens
+    found = match(bm, b)
+    assert found.blocks == [table[0]] and found.partial == (table[1], 2)
+    # 9 more tokens after block 0 need 3 fresh blocks; with both held blocks revived that is 5 > 4
+    assert not bm.can_allocate(found, b.num_tokens - B)
+    assert bm.can_allocate(found, 4)  # a first chunk that fits
