@@ -24,6 +24,9 @@ from shared.wire import decode, encode, peek_rid
 log = logging.getLogger(__name__)
 
 
+MAX_QUEUED_PER_PEER = 4096  # replies waiting for one peer's room; more are dropped (callers time out)
+
+
 class _Socket:
     """The one place frames enter and leave a ZeroMQ socket, driven by the event loop directly.
 
@@ -34,13 +37,17 @@ class _Socket:
     while it says POLLOUT: a message can never sit unread behind a consumed signal. (pyzmq's
     asyncio layer does the same with a future and a poller registration per message; this is
     one callback per wake-up, and received messages go straight to ``on_message``.)
+
+    Sends that find no room wait in a queue per peer (a ROUTER's first frame names the peer),
+    in order, so a peer that stops reading holds up only its own replies.
     """
 
     def __init__(self, ctx: zmq.Context, kind: int, on_message: Callable[[list[Any]], None]):
         self.sock = zmq.Socket(ctx, kind)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self._router = kind == zmq.ROUTER
         self._on_message = on_message  # runs in the loop; must not block
-        self._outbox: collections.deque[tuple[list[Any], asyncio.Future | None]] = collections.deque()
+        self._queued: dict[bytes | None, collections.deque[tuple[list[Any], asyncio.Future | None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump_scheduled = False
         self._pumping = False
@@ -72,23 +79,7 @@ class _Socket:
         sock = self.sock
         while not self._closed:
             events = sock.get(zmq.EVENTS)
-            progressed = False
-            if events & zmq.POLLOUT and self._outbox:
-                frames, done = self._outbox[0]
-                try:
-                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                except zmq.Again:  # the peer filled up since EVENTS; its next read signals us
-                    pass
-                except zmq.ZMQError as exc:
-                    self._outbox.popleft()
-                    if done is not None and not done.done():
-                        done.set_exception(exc)
-                    progressed = True
-                else:
-                    self._outbox.popleft()
-                    if done is not None and not done.done():
-                        done.set_result(None)
-                    progressed = True
+            progressed = bool(events & zmq.POLLOUT and self._queued and self._flush())
             if events & zmq.POLLIN:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 progressed = True
@@ -99,9 +90,33 @@ class _Socket:
             if not progressed:
                 return
 
+    def _flush(self) -> bool:
+        """Send what queued peers have room for; True if anything left the queues."""
+        progressed = False
+        for peer in list(self._queued):
+            queue = self._queued[peer]
+            while queue:
+                frames, done = queue[0]
+                try:
+                    self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # still full: its next read signals us
+                    break
+                except zmq.ZMQError as exc:  # e.g. the peer is gone
+                    queue.popleft()
+                    if done is not None and not done.done():
+                        done.set_exception(exc)
+                else:
+                    queue.popleft()
+                    if done is not None and not done.done():
+                        done.set_result(None)
+                progressed = True
+            if not queue:
+                del self._queued[peer]
+        return progressed
+
     def _try_send(self, frames: list[Any]) -> bool:
-        """Send now if nothing is queued and the peer has room; False: queue it."""
-        if self._outbox:
+        """Send now if nothing waits for the same peer and it has room; False: queue it."""
+        if self._queued.get(self._peer(frames)):
             return False
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -110,13 +125,27 @@ class _Socket:
         self._pump_soon()  # the send may have consumed a readiness signal
         return True
 
+    def _peer(self, frames: list[Any]) -> bytes | None:
+        if not self._router:
+            return None
+        identity = frames[0]
+        return identity if isinstance(identity, bytes) else bytes(identity)
+
+    def _queue(self, frames: list[Any], done: asyncio.Future | None) -> bool:
+        queue = self._queued.setdefault(self._peer(frames), collections.deque())
+        if done is None and len(queue) >= MAX_QUEUED_PER_PEER:
+            log.warning("a peer has not read its last %d replies: dropping one", len(queue))
+            return False
+        queue.append((frames, done))
+        return True
+
     async def send(self, frames: list[Any]) -> None:
         if self._closed:
             raise ConnectionError("socket closed")
         self.start()
         if not self._try_send(frames):
             done = self._loop.create_future()
-            self._outbox.append((frames, done))
+            self._queue(frames, done)
             await done
 
     def send_nowait(self, frames: list[Any]) -> None:
@@ -126,7 +155,7 @@ class _Socket:
         self.start()
         with contextlib.suppress(zmq.ZMQError):
             if not self._try_send(frames):
-                self._outbox.append((frames, None))
+                self._queue(frames, None)
 
     def close(self, linger: int = 0) -> None:
         if self._closed:
@@ -134,10 +163,11 @@ class _Socket:
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.sock.FD)
-        for _, done in self._outbox:
-            if done is not None and not done.done():
-                done.set_exception(ConnectionError("socket closed"))
-        self._outbox.clear()
+        for queue in self._queued.values():
+            for _, done in queue:
+                if done is not None and not done.done():
+                    done.set_exception(ConnectionError("socket closed"))
+        self._queued.clear()
         self.sock.close(linger=linger)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -366,4 +367,41 @@ async def test_a_send_that_consumes_the_readiness_signal_still_delivers():
     finally:
         ours.close()
         peer.close(linger=0)
+        ctx.term()
+
+
+async def test_a_peer_that_stops_reading_holds_up_only_its_own_replies():
+    """Two peers of one ROUTER; one never reads (its queue fills): replies to the other still flow."""
+    from shared.rpc import _Socket
+
+    ctx = zmq.Context()
+    router = _Socket(ctx, zmq.ROUTER, lambda frames: None)
+    router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.sock.setsockopt(zmq.SNDHWM, 2)
+    port = router.sock.bind_to_random_port("tcp://127.0.0.1")
+    stuck, live = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for sock, name in ((stuck, b"stuck"), (live, b"live")):
+        sock.setsockopt(zmq.IDENTITY, name)
+        sock.setsockopt(zmq.RCVHWM, 2)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(b"hello")  # the router learns the identity
+    try:
+        router.start()
+        await asyncio.sleep(0.3)
+        for _ in range(200):  # far more than the stuck peer's pipes hold
+            router.send_nowait([b"stuck", b"x" * 100_000])
+        assert router._queued.get(b"stuck")  # the rest waits in its own queue ...
+        for i in range(5):
+            router.send_nowait([b"live", str(i).encode()])
+        got = []
+        deadline = time.monotonic() + 5
+        while len(got) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            with contextlib.suppress(zmq.Again):
+                got.append(live.recv(zmq.NOBLOCK))
+        assert got == [b"0", b"1", b"2", b"3", b"4"]  # ... and the live peer is not held up
+    finally:
+        router.close()
+        stuck.close(linger=0)
+        live.close(linger=0)
         ctx.term()
