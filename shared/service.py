@@ -26,9 +26,7 @@ def setup_logging(stage: str) -> None:
 async def serve(
     name: str,
     bind: str,
-    make_handler: Callable[
-        [zmq.asyncio.Context], Awaitable[tuple[Handler, QuickHandler, Callable[[], None]]]
-    ],
+    make_handler: Callable[[zmq.asyncio.Context], Awaitable[tuple[Handler, QuickHandler, Closer]]],
 ) -> None:
     """Bind ``bind``, answer requests with the handlers from ``make_handler`` until a signal arrives.
 
