@@ -16,6 +16,11 @@ from pathlib import Path
 STARTUP_TIMEOUT = 180.0
 
 
+def stage_env() -> dict[str, str]:
+    """The environment of every stage process the e2e tests start: quiet, one torch thread."""
+    return {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +91,7 @@ class Server:
         ]
         if media_dir is not None:
             cmd += ["--allowed-local-media-path", str(media_dir)]
-        env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        env = stage_env()
         self._log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.children: set[int] = set()

@@ -6,7 +6,6 @@ request goes to the LLM replica that holds its prefix."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import urllib.request
 import pytest
 
 from shared.routing import rendezvous
-from tests.e2e.server import free_port, wait_healthy
+from tests.e2e.server import free_port, stage_env, wait_healthy
 from tests.e2e.util import chat, image_part, tokens
 from tests.media import image_bytes
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 class Stack:
     def __init__(self, model, encoders: int, llms: int):
-        env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+        env = stage_env()
         self.encoders = [f"tcp://127.0.0.1:{free_port()}" for _ in range(encoders)]
         self.llms = [f"tcp://127.0.0.1:{free_port()}" for _ in range(llms)]
         self.port = free_port()

@@ -4,7 +4,6 @@ turns the next reply into EHOSTUNREACH, and the stream cancels its sequence)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import zmq.asyncio
 
 from shared.messages import GenerateRequest, Ping, SamplingParams
 from shared.rpc import RpcClient
-from tests.e2e.server import free_port
+from tests.e2e.server import free_port, stage_env
 
 pytestmark = pytest.mark.e2e
 
@@ -37,7 +36,7 @@ async def _pong(ctx, address: str, timeout: float = 60.0):
 
 async def test_generation_stops_when_the_caller_is_gone(tiny_model):
     address = f"tcp://127.0.0.1:{free_port()}"
-    env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    env = stage_env()
     cmd = [sys.executable, "-m", "mmcache", "llm", "--model", str(tiny_model), "--bind", address]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ctx = zmq.asyncio.Context()
