@@ -58,7 +58,7 @@ class _Socket:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self.sock.FD, self._pump)
-        self._pump_soon()
+            self._pump_soon()  # messages may have arrived before the descriptor was watched
 
     def _pump_soon(self) -> None:
         # NOTE: a pump in progress (this call comes from a handler it runs) checks EVENTS again
@@ -118,11 +118,12 @@ class _Socket:
         """Send now if nothing waits for the same peer and it has room; False: queue it."""
         if self._queued.get(self._peer(frames)):
             return False
+        # NOTE: the attempt, sent or not, may have consumed a readiness signal: pump after it.
+        self._pump_soon()
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        self._pump_soon()  # the send may have consumed a readiness signal
         return True
 
     def _peer(self, frames: list[Any]) -> bytes | None:
