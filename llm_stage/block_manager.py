@@ -15,6 +15,7 @@ start is copied into a fresh block (copy on write) instead of being recomputed.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -121,17 +122,7 @@ class BlockManager:
                 if a != b:
                     break
                 n += 1
-            # A media token is the same only if it is the same chunk at the same place.
-            for (key_a, at_a), (key_b, at_b) in zip(media, block.media, strict=False):
-                if key_a != key_b or at_a != at_b:
-                    n = min(n, max(min(at_a, at_b), 0))
-                    break
-            else:
-                if len(media) != len(block.media):
-                    extra = (media if len(media) > len(block.media) else block.media)[
-                        min(len(media), len(block.media))
-                    ]
-                    n = min(n, max(extra[1], 0))
+            n = min(n, _same_media_until(media, block.media))
             if n and (best is None or n > best[1]):
                 best = (block_id, n)
         return best
@@ -242,6 +233,15 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+
+
+def _same_media_until(a: BlockMedia, b: BlockMedia) -> int:
+    """Tokens from the block start over which ``a`` and ``b`` name the same chunks at the same
+    places: up to the first chunk one of them has and the other has not (no limit if none)."""
+    for x, y in itertools.zip_longest(a, b):
+        if x != y:
+            return max(min(c[1] for c in (x, y) if c is not None), 0)
+    return sys.maxsize
 
 
 def block_media(spans: Seq[MediaSpan], start: int, size: int) -> BlockMedia:

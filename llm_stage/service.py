@@ -114,7 +114,7 @@ class LLMService:
                 hashes = block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
             # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
             # the request's own prefix is matched with hashes this stage computes itself.
-            cached, probe_id = self.engine.probe(hashes, ids, list(msg.spans), min(msg.ttl, 60.0))
+            cached, probe_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
         reply.send_nowait(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
 
     # --- generate -------------------------------------------------------------------------
