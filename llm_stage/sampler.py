@@ -9,11 +9,11 @@ from llm_stage.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits`` (float32, (len(seqs), vocab))."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out: list[int] = []
-    for row, seq, best in zip(logits, seqs, greedy, strict=True):
+    out = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
         sp = seq.sampling
-        out.append(best if sp.greedy else _sample_row(row, sp.temperature, sp.top_k, sp.top_p, seq))
+        if not sp.greedy:
+            out[i] = _sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, seq)
     return out
 
 

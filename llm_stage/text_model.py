@@ -1,18 +1,67 @@
 """The language model of a Qwen2-VL-family checkpoint, text weights only.
 
-The transformers text-model class holds the weights and provides the layers'
-modules (projections, norms, MLP, M-RoPE tables); :mod:`llm_stage.model_runner`
-drives them over the paged KV cache.
+The transformers text-model class loads the weights and provides the M-RoPE
+tables; :mod:`llm_stage.model_runner` drives the layers over the paged KV cache
+through :class:`LayerWeights`, which fuse q/k/v and gate/up into one matrix each
+(the modules' own parameters become views of those, so nothing is stored twice).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
 from shared.checkpoint import ModelSpec, load_weights, text_weight_name
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    qkv: torch.Tensor  # (q + k + v outputs, hidden)
+    qkv_bias: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor  # (2 * intermediate, hidden)
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    norm_shape: tuple[int]
+    eps: float
+
+
+def _fuse(linears: list[nn.Linear], name: str) -> torch.Tensor:
+    """One tensor holding ``name`` (weight or bias) of every linear, stacked along the outputs;
+    each linear's own parameter becomes a view into it."""
+    fused = torch.cat([getattr(lin, name).detach() for lin in linears])
+    start = 0
+    for lin in linears:
+        end = start + getattr(lin, name).shape[0]
+        setattr(lin, name, nn.Parameter(fused[start:end], requires_grad=False))
+        start = end
+    return fused
+
+
+def _layer_weights(layer: nn.Module) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    norm = layer.input_layernorm
+    return LayerWeights(
+        qkv=_fuse(qkv, "weight"),
+        qkv_bias=_fuse(qkv, "bias"),
+        o=attn.o_proj.weight,
+        gate_up=_fuse([mlp.gate_proj, mlp.up_proj], "weight"),
+        down=mlp.down_proj.weight,
+        act=mlp.act_fn,
+        input_norm=norm.weight,
+        post_norm=layer.post_attention_layernorm.weight,
+        norm_shape=(norm.weight.shape[0],),
+        eps=norm.variance_epsilon,
+    )
 
 
 def _text_class(model_type: str) -> type:
@@ -52,6 +101,10 @@ class TextLM(nn.Module):
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.vocab_size = config.vocab_size
+        if attn.o_proj.bias is not None or any(lin.bias is None for lin in (attn.q_proj, attn.k_proj)):
+            raise ValueError("expected q/k/v projections with bias and o_proj without (the Qwen2 layout)")
+        with torch.no_grad():
+            self.fused = [_layer_weights(layer) for layer in self.layers]
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -65,4 +118,5 @@ class TextLM(nn.Module):
         return self.model.rotary_emb(hidden[None], positions[:, None, :])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        norm = self.model.norm
+        return self.lm_head(F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)).float()

@@ -1,0 +1,39 @@
+"""The model runner's layer arithmetic against the transformers modules it replaces."""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+
+from llm_stage.model_runner import fold_sin, rotate_
+from llm_stage.text_model import TextLM
+from shared.checkpoint import ModelSpec
+
+
+def test_rotation_equals_the_reference_bit_for_bit(tiny_models):
+    lm = TextLM(ModelSpec.load(tiny_models["qwen2-vl"]), torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    rows = 37
+    positions = torch.randint(0, 5000, (3, rows), generator=gen)
+    q = torch.randn(1, lm.num_heads, rows, lm.head_dim, generator=gen)
+    k = torch.randn(1, lm.num_kv_heads, rows, lm.head_dim, generator=gen)
+    cos, sin = lm.rope(q.new_empty(rows, 1), positions)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    qk = torch.cat([q[0], k[0]]).transpose(0, 1).contiguous()  # (rows, heads + kv_heads, head_dim)
+    rotate_(qk, cos[0, :, None], fold_sin(sin)[0, :, None])
+    assert torch.equal(qk[:, : lm.num_heads], want_q[0].transpose(0, 1))
+    assert torch.equal(qk[:, lm.num_heads :], want_k[0].transpose(0, 1))
+
+
+def test_fused_projections_share_the_modules_storage_and_compute_the_same(tiny_models):
+    lm = TextLM(ModelSpec.load(tiny_models["qwen2.5-vl"]), torch.device("cpu"), torch.float32)
+    x = torch.randn(9, lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for layer, fused in zip(lm.layers, lm.fused, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()  # a view, not a second copy
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
+        qkv = torch.nn.functional.linear(x, fused.qkv, fused.qkv_bias)
+        separate = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        torch.testing.assert_close(qkv, separate, rtol=1e-6, atol=1e-6)
+        gate, up = torch.nn.functional.linear(x, fused.gate_up).chunk(2, dim=-1)
+        torch.testing.assert_close(fused.act(gate) * up, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
