@@ -69,7 +69,7 @@ async def throughput(session, server: Server, model: str, media: Path, hf, quick
     """Rounds of 16 concurrent requests, each round followed by HF on the same requests (so both
     see the same background load)."""
     n = 16
-    rounds = 1 if quick else 3
+    rounds = 1 if quick else 5
     hf_per_round = 4 if quick else n
     warm, warm_hf = _throughput_requests(model, media, 900, 4)
     await warm_up(session, server, warm)

@@ -105,6 +105,7 @@ async def metrics(request: web.Request) -> web.Response:
     """Prometheus text: the processor's own counters, then each stage replica's (from its Pong)."""
     cache = request.app[PIPELINE].cache
     lines = [
+        f"mmcache_processor_file_reads_total {request.app[PIPELINE].source.file_reads}",
         f"mmcache_processor_cache_hits_total {cache.stats.hits}",
         f"mmcache_processor_cache_misses_total {cache.stats.misses}",
         f"mmcache_processor_decodes_total {cache.stats.decodes}",

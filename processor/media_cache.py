@@ -58,6 +58,10 @@ class MediaCache:
             self._aliases.move_to_end(alias)
         return key
 
+    def has(self, key: MediaKey) -> bool:
+        """Held or being made: :meth:`get_or_make` will not call its ``make`` for ``key`` now."""
+        return key in self._entries or key in self._inflight
+
     def get(self, key: MediaKey) -> MediaLayout | None:
         layout = self._entries.get(key)
         if layout is not None:

@@ -6,10 +6,27 @@ import asyncio
 import base64
 import binascii
 import os
+import stat
+import time
+from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from processor.errors import bad_request
+from processor.errors import APIError, bad_request
 from processor.http_fetch import HttpFetcher
+
+# A file whose status changed this recently may change again within the same timestamp tick
+# (file times are coarse), so its signature is not trusted yet (git's "racily clean" rule).
+SETTLED_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFile:
+    path: str  # resolved, inside an allowed directory
+    signature: tuple[int, ...] | None  # (device, inode, size, mtime, ctime) once settled, else None
+
+
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class MediaSource:
@@ -17,13 +34,15 @@ class MediaSource:
         self.allowed_dirs = allowed_dirs
         self.max_bytes = max_bytes
         self.http = http
+        self.file_reads = 0
 
     async def fetch(self, url: str, where: str) -> bytes:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             return self._data_url(url, where)
         if scheme == "file":
-            return await asyncio.to_thread(self._file_url, url, where)
+            data, _ = await asyncio.to_thread(self._file_url, url, where)
+            return data
         if scheme in ("http", "https"):
             if self.http is None:
                 raise bad_request(f"{where}: http(s) media URLs are disabled", "media_url_scheme", where)
@@ -47,7 +66,28 @@ class MediaSource:
                 f"{where}: invalid base64 in data URL ({exc})", "invalid_base64", where
             ) from exc
 
-    def _file_url(self, url: str, where: str) -> bytes:
+    async def fetch_file(self, url: str, where: str) -> tuple[bytes, LocalFile]:
+        """A ``file://`` URL's bytes, and the file they were read from (with its signature if the
+        file did not change while it was read and had settled before)."""
+        return await asyncio.to_thread(self._file_url, url, where)
+
+    def file_signature(self, url: str) -> LocalFile | None:
+        """The settled status of an allowed local file, without reading it; None if there is none
+        to trust (not a readable regular file, not allowed, or changed too recently).
+
+        Any write to a file moves its ctime, which no one can set back, so an unchanged
+        (device, inode, size, mtime, ctime) means unchanged contents.
+        """
+        try:
+            path = self._allowed_path(url, "")
+            st = os.stat(path)
+        except (OSError, ValueError, APIError):
+            return None
+        if not _settled(st):
+            return None
+        return LocalFile(path, _signature(st))
+
+    def _allowed_path(self, url: str, where: str) -> str:
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise bad_request(f"{where}: file URLs must be local", "file_not_allowed", where)
@@ -58,17 +98,30 @@ class MediaSource:
                 "file_not_allowed",
                 where,
             )
+        return path
+
+    def _file_url(self, url: str, where: str) -> tuple[bytes, LocalFile]:
+        path = self._allowed_path(url, where)
         try:
-            size = os.stat(path).st_size
-            if not os.path.isfile(path):
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):  # checked before open: a FIFO would block it
                 raise bad_request(f"{where}: {path} is not a regular file", "file_not_found", where)
-            if size > self.max_bytes:
+            if st.st_size > self.max_bytes:
                 raise bad_request(
                     f"{where}: media is larger than {self.max_bytes} bytes", "media_too_large", where
                 )
             with open(path, "rb") as f:
-                return f.read(size)
+                before = os.fstat(f.fileno())
+                data = f.read(min(before.st_size, self.max_bytes))
+                after = os.fstat(f.fileno())
         except OSError as exc:
             raise bad_request(
                 f"{where}: cannot read {path}: {exc.strerror}", "file_not_found", where
             ) from exc
+        self.file_reads += 1
+        steady = _signature(before) == _signature(after) and len(data) == before.st_size
+        return data, LocalFile(path, _signature(after) if steady and _settled(after) else None)
+
+
+def _settled(st: os.stat_result) -> bool:
+    return st.st_ctime_ns <= time.time_ns() - int(SETTLED_SECONDS * 1e9)

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from processor.errors import bad_request
 from processor.media_cache import MediaCache
 from processor.media_decode import DecodeLimits, decode_image, decode_video
-from processor.media_source import MediaSource
+from processor.media_source import LocalFile, MediaSource
 from processor.preprocess import MediaLayout, Preprocessor
 from processor.prompt import PromptBuilder
 from processor.request import ChatRequest, MediaRef
 from shared.config import ProcessorConfig
-from shared.keys import data_url_alias, media_key, uuid_media_key
+from shared.keys import data_url_alias, file_alias, media_key, uuid_media_key
 from shared.messages import MediaSpan, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,19 @@ class Pipeline:
                     "unknown_uuid",
                     ref.param,
                 )
+        elif ref.url[:5].lower() == "file:":
+            # NOTE: a repeated local file is known by its path and settled stat signature, so a
+            # hit does not even read it; the alias is only taken while its layout is held (a
+            # layout made again must come from the bytes read then, not from the alias).
+            local = self.source.file_signature(ref.url) if self.cache.enabled else None
+            known = self.cache.aliased(self._file_alias(salt, ref.modality, local)) if local else None
+            if known is not None and self.cache.has(known):
+                key = known
+            else:
+                data, local = await self.source.fetch_file(ref.url, ref.param)
+                key = media_key(salt, ref.modality, data, fp)
+                if local.signature is not None and self.cache.enabled:
+                    self.cache.alias(self._file_alias(salt, ref.modality, local), key)
         else:
             # NOTE: a repeated data: URL is known by a hash of its text, so a hit skips even the
             # base64 decoding; the cache entry itself stays keyed by the raw bytes.
@@ -143,6 +156,9 @@ class Pipeline:
         else:
             report.processor_misses += 1
         return layout
+
+    def _file_alias(self, salt: str | None, modality: str, local: LocalFile) -> bytes:
+        return file_alias(salt, modality, local.path, local.signature, self.pre.fingerprint)
 
     def _decode(self, ref: MediaRef, data: bytes, salt: str | None) -> MediaLayout:
         if ref.modality == "image":

@@ -70,6 +70,18 @@ def data_url_alias(salt: str | None, modality: str, url: str, processor_fp: Fing
     return hash_fields(b"data-url", salt_bytes(salt), modality.encode(), url.encode(), processor_fp)
 
 
+def file_alias(
+    salt: str | None, modality: str, path: str, signature: tuple[int, ...], processor_fp: Fingerprint
+) -> bytes:
+    """A name for a local file's current contents, from its path and stat signature (see
+    :meth:`processor.media_source.MediaSource.file_signature`), so a repeat is found unread.
+
+    Only an alias: the processor maps it to the :func:`media_key` of the bytes it read.
+    """
+    packed = struct.pack(f"<{len(signature)}q", *signature)
+    return hash_fields(b"file", salt_bytes(salt), modality.encode(), path.encode(), packed, processor_fp)
+
+
 def chunk_key(salt: str | None, pixels: _Bytes, shape: Iterable[int], processor_fp: Fingerprint) -> ChunkKey:
     """Identity of one encoder chunk from its decoded uint8 pixels (and their shape)."""
     dims = tuple(shape)

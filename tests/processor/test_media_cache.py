@@ -6,13 +6,14 @@ import asyncio
 import gc
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from processor.media_cache import MediaCache
-from processor.media_source import MediaSource
+from processor.media_source import SETTLED_SECONDS, MediaSource
 from processor.pipeline import Pipeline
 from processor.preprocess import Preprocessor
 from processor.prompt import PromptBuilder
@@ -180,3 +181,37 @@ async def test_500_distinct_images_through_a_small_cap_keep_memory_flat(tiny_mod
     assert peak_bytes > cap // 2  # the cap was actually exercised
     # After warm-up, 400 more distinct images may not grow the process by more than the cap.
     assert rss[1] - rss[0] < 2 * cap, rss
+
+
+async def test_a_settled_file_is_not_read_again_until_it_changes(tiny_model, tmp_path):
+    """A repeat of a file whose status settled costs a stat, not a read; rewriting it in place
+    (same size, its mtime put back) moves its ctime, so the next request reads the new bytes."""
+    path = tmp_path / "a.bmp"  # uncompressed: another picture of the same size has the same length
+    path.write_bytes(image_bytes(448, 448, seed=5, fmt="BMP"))
+    await asyncio.sleep(SETTLED_SECONDS + 0.1)
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    first = await pipe.prepare(parse_chat_request(request(path)))
+    second = await pipe.prepare(parse_chat_request(request(path)))
+    assert pipe.source.file_reads == 1 and second.report.processor_hits == 1
+    assert first.media[0].chunks[0].key == second.media[0].chunks[0].key
+
+    old = path.stat()
+    replacement = image_bytes(448, 448, seed=6, fmt="BMP")
+    assert len(replacement) == old.st_size
+    path.write_bytes(replacement)
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    third = await pipe.prepare(parse_chat_request(request(path)))
+    assert pipe.source.file_reads == 2 and third.report.processor_misses == 1
+    assert third.media[0].chunks[0].key != first.media[0].chunks[0].key
+
+
+async def test_a_file_that_just_changed_is_read_every_time(tiny_model, tmp_path):
+    """Within a timestamp tick a second write could leave the status as it was: until the
+    file has settled, every request reads it (and hits the cache by its bytes)."""
+    path = tmp_path / "a.png"
+    path.write_bytes(image_bytes(200, 200, seed=7))
+    pipe = pipeline(tiny_model, tmp_path, 64 << 20)
+    await pipe.prepare(parse_chat_request(request(path)))
+    second = await pipe.prepare(parse_chat_request(request(path)))
+    assert pipe.source.file_reads == 2 and second.report.processor_hits == 1
