@@ -103,7 +103,10 @@ class Pipeline:
         report = CacheReport()
         # NOTE: --no-cache gives every request its own namespace, so no tier can share anything.
         salt = secrets.token_hex(16) if self.cfg.no_cache else req.cache_salt
-        media = list(await asyncio.gather(*(self._media(ref, salt, report) for ref in req.media)))
+        if len(req.media) == 1:  # NOTE: no task (and no extra event-loop turn) for a single item
+            media = [await self._media(req.media[0], salt, report)]
+        else:
+            media = list(await asyncio.gather(*(self._media(ref, salt, report) for ref in req.media)))
         token_ids, spans = self.prompts.build(req.messages, media)
         return Prepared(req, token_ids, spans, media, salt, report)
 
