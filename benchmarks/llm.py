@@ -15,8 +15,9 @@
     prompt. NOTE: on this tiny model attention over the cached context is most of a prefill's
     compute, so the long prompt's new tokens cost several times a short prompt's; on a real-size
     model the MLPs dominate and that share shrinks. Every request asks a new question; the
-    kinds alternate. For context: the same with the image named by ``uuid`` (no bytes sent),
-    and a text request with the cached system prompt but no image.
+    kinds alternate. The same with the image named by ``uuid`` (no bytes sent) and as a
+    ``file://`` URL (a settled file is known by its path and status, so it is not read), and for
+    context a text request with the cached system prompt but no image.
 Both servers start at once and are stopped at the end. They run with the environment users
 give them; ``MMCACHE_BENCH_SERVER_THREADS=N`` sets ``OMP_NUM_THREADS=N`` for every stage.
 """
@@ -193,12 +194,19 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
 # --- (c) TTFT with cached image + system prompt ---------------------------------------------------------
 
 
-async def ttft_cached(session, server: Server, model: str, quick: bool, system_words: int) -> dict:
+async def ttft_cached(
+    session, server: Server, model: str, media: Path, quick: bool, system_words: int
+) -> dict:
+    from processor.media_source import SETTLED_SECONDS
     from tests.media import data_url, image_bytes
 
     rng = np.random.default_rng(5 + system_words)
     system = {"role": "system", "content": "You are a careful assistant. " + words(rng, system_words)}
-    url = data_url(image_bytes(IMAGE, IMAGE, seed=77), "image/png")
+    png = image_bytes(IMAGE, IMAGE, seed=77)
+    url = data_url(png, "image/png")
+    path = media / f"ttft-{system_words}.png"
+    path.write_bytes(png)
+    await asyncio.sleep(SETTLED_SECONDS)  # as a file that was not just written: known by its status
 
     def cached_request(question: str) -> dict:
         return body(model, [system, user(image(url), text(question))], max_tokens=4, stream=True)
@@ -211,6 +219,10 @@ async def ttft_cached(session, server: Server, model: str, quick: bool, system_w
             max_tokens=4,
             stream=True,
         )
+
+    def file_request(question: str) -> dict:
+        """The same image as a local file: a repeat is known by its path and status, not read."""
+        return body(model, [system, user(image(f"file://{path}"), text(question))], max_tokens=4, stream=True)
 
     def text_request(question: str) -> dict:
         return body(model, [user(text(question))], max_tokens=4, stream=True)
@@ -225,10 +237,18 @@ async def ttft_cached(session, server: Server, model: str, quick: bool, system_w
     named["messages"][1]["content"][0]["uuid"] = "bench-image"
     await ttft(session, server, named)
     for _ in range(2):
+        await ttft(session, server, file_request("Warm up from a file. " + words(rng, 10)))
+    for _ in range(2):
         await ttft(session, server, text_request(words(rng, 10) + "?"))
         await ttft(session, server, text_system_request(words(rng, 10) + "?"))
     n = 6 if quick else 25
-    times: dict[str, list[float]] = {"cached": [], "cached-uuid": [], "text": [], "text+system": []}
+    times: dict[str, list[float]] = {
+        "cached": [],
+        "cached-uuid": [],
+        "cached-file": [],
+        "text": [],
+        "text+system": [],
+    }
     cached_tokens = []
     deadline = time.monotonic() + (15 if quick else 60)
     for _ in range(n):
@@ -242,6 +262,9 @@ async def ttft_cached(session, server: Server, model: str, quick: bool, system_w
         t, usage = await ttft(session, server, uuid_request("Now tell me: " + words(rng, 10) + "?"))
         times["cached-uuid"].append(t)
         assert usage["mm_cache"]["processor_hits"] == 1, usage
+        t, usage = await ttft(session, server, file_request("Now tell me: " + words(rng, 10) + "?"))
+        times["cached-file"].append(t)
+        assert usage["mm_cache"]["processor_hits"] == 1, usage
         t, _ = await ttft(session, server, text_request(question))
         times["text"].append(t)
         t, _ = await ttft(session, server, text_system_request(question))
@@ -251,6 +274,7 @@ async def ttft_cached(session, server: Server, model: str, quick: bool, system_w
     say(f"  cached request: {long_prompt} prompt tokens, {median(cached_tokens):.0f} of them cached")
     say(f"  TTFT, cached system prompt + image + new question: {spread(times['cached'])}")
     say(f"  TTFT, same with the image by uuid (bytes not re-sent): {spread(times['cached-uuid'])}")
+    say(f"  TTFT, same with the image as a file:// URL (not read again): {spread(times['cached-file'])}")
     say(f"  TTFT, text-only new question: {spread(times['text'])}")
     say(f"  TTFT, cached system prompt + new question (no image): {spread(times['text+system'])}")
     return {k: median(v) for k, v in times.items()} | {
@@ -279,7 +303,7 @@ async def _served(model_path: Path, media: Path, quick: bool) -> tuple[dict, dic
             first = {}
             for label, n in SYSTEM_PROMPTS.items():
                 say(f"# llm (c): TTFT with a cached {label} system prompt and image vs a text-only request")
-                first[label] = await ttft_cached(session, on, model, quick, n)
+                first[label] = await ttft_cached(session, on, model, media, quick, n)
     finally:
         for server in (on, off):
             leftover = server.stop()
@@ -329,15 +353,16 @@ def run(quick: bool = False) -> list[Result]:
         ),
         *(
             Result(
-                f"llm.ttft_cached_media_{label}_uuid",
-                f"TTFT, as above with the image named by uuid ({t['prompt_tokens']} prompt tokens) "
+                f"llm.ttft_cached_media_{label}_{form}",
+                f"TTFT, as above with the image {how} ({t['prompt_tokens']} prompt tokens) "
                 "/ text-only new question",
-                t["cached-uuid"] / t["text"],
+                t[f"cached-{form}"] / t["text"],
                 TTFT_GOAL,
                 higher_is_better=False,
-                details={"ttft_cached_uuid_s": t["cached-uuid"], "ttft_text_s": t["text"]},
+                details={f"ttft_cached_{form}_s": t[f"cached-{form}"], "ttft_text_s": t["text"]},
             )
             for label, t in first.items()
+            for form, how in (("uuid", "named by uuid"), ("file", "as a file:// URL"))
         ),
     ]
 
