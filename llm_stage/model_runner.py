@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_stage.sequence import Sequence
-from llm_stage.text_model import TextLM
+from llm_stage.text_model import LayerWeights, TextLM
 
 
 class KVCache:
@@ -83,9 +83,12 @@ class _Plan:
 
     new_slots: torch.Tensor  # cache slot of every row computed this step
     prefills: list[_Prefill]
-    decode_rows: torch.Tensor | None = None  # (B,); None when every row is a decode, in order
+    decode_rows: torch.Tensor | None = None  # (B,) rows of the decodes, when prefills share the step
     decode_blocks: torch.Tensor | None = None  # (B * widest,) block ids, padded with block 0
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, widest * block_size), additive
+
+
+_Rope = tuple[torch.Tensor, torch.Tensor]  # cos and folded sin of every row, (rows, 1, head_dim)
 
 
 def fold_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -113,7 +116,6 @@ class ModelRunner:
         self.kv = kv
         self.device = kv.kv.device
         self.dtype = kv.kv.dtype
-        self._offsets = torch.arange(kv.block_size, device=self.device)
 
     def copy_block_start(self, source: int, target: int, tokens: int) -> None:
         """Copy the K/V of the first ``tokens`` slots of block ``source`` into block ``target``."""
@@ -184,7 +186,7 @@ class ModelRunner:
             hidden = hidden[last_rows]
         return self.lm.logits(hidden)
 
-    def _rope(self, hidden: torch.Tensor, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, hidden: torch.Tensor, items: list[_Item]) -> _Rope:
         """cos and folded sin (:func:`fold_sin`) of every row, shaped (rows, 1, head_dim)."""
         parts: list[torch.Tensor] = []
         generated: list[int] = []  # positions of generated tokens, gathered into one tensor
@@ -210,7 +212,9 @@ class ModelRunner:
                 rows = media.rows[lo - media.start : hi - media.start]
                 hidden[item.row + lo - item.start : item.row + hi - item.start] = rows.to(hidden.dtype)
 
-    def _layer(self, idx: int, w, hidden: torch.Tensor, rope, plan: _Plan) -> torch.Tensor:
+    def _layer(
+        self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: _Plan
+    ) -> torch.Tensor:
         lm = self.lm
         n, heads, kv_heads = hidden.shape[0], lm.num_heads, lm.num_kv_heads
         x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)

@@ -77,6 +77,9 @@ class MediaSource:
 
         Any write to a file moves its ctime, which no one can set back, so an unchanged
         (device, inode, size, mtime, ctime) means unchanged contents.
+
+        NOTE: runs on the event loop: a path resolution and a stat of a local file (microseconds)
+        cost less than the hop to a thread that a read takes.
         """
         try:
             path = self._allowed_path(url, "")

@@ -78,8 +78,8 @@ def file_alias(
 
     Only an alias: the processor maps it to the :func:`media_key` of the bytes it read.
     """
-    packed = struct.pack(f"<{len(signature)}q", *signature)
-    return hash_fields(b"file", salt_bytes(salt), modality.encode(), path.encode(), packed, processor_fp)
+    status = ",".join(map(str, signature)).encode()  # any int (inode numbers may exceed int64)
+    return hash_fields(b"file", salt_bytes(salt), modality.encode(), path.encode(), status, processor_fp)
 
 
 def chunk_key(salt: str | None, pixels: _Bytes, shape: Iterable[int], processor_fp: Fingerprint) -> ChunkKey:
