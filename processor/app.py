@@ -13,9 +13,10 @@ import orjson
 import zmq.asyncio
 from aiohttp import web
 
+from processor.body import load_body
 from processor.detokenizer import Detokenizer
 from processor.dispatch import Dispatcher
-from processor.errors import APIError, bad_request, error_body, error_middleware
+from processor.errors import APIError, error_body, error_middleware
 from processor.http_fetch import HttpFetcher, parse_networks
 from processor.media_source import MediaSource
 from processor.pipeline import Pipeline, Prepared
@@ -138,11 +139,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", "invalid_json") from exc
-    req = parse_chat_request(body)
+    body, held = load_body(await request.read())
+    req = parse_chat_request(body, held)
     if req.model != request.app[MODEL_NAME]:
         raise APIError(
             404,

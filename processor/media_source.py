@@ -17,6 +17,7 @@ from processor.http_fetch import HttpFetcher
 # A file whose status changed this recently may change again within the same timestamp tick
 # (file times are coarse), so its signature is not trusted yet (git's "racily clean" rule).
 SETTLED_SECONDS = 1.0
+MAX_DATA_URL_HEADER = 256  # "data:<mime>;base64," of a data: URL held as raw bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,10 @@ class MediaSource:
         self.http = http
         self.file_reads = 0
 
-    async def fetch(self, url: str, where: str) -> bytes:
+    async def fetch(self, url: str | memoryview, where: str) -> bytes:
+        """Bytes of a media URL (``url`` may be a data: URL's raw bytes, held out of the body)."""
+        if not isinstance(url, str):
+            return self._data_url(url, where)
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
             return self._data_url(url, where)
@@ -49,8 +53,13 @@ class MediaSource:
             return await self.http.fetch(url, where)
         raise bad_request(f"{where}: unsupported media URL scheme {scheme!r}", "media_url_scheme", where)
 
-    def _data_url(self, url: str, where: str) -> bytes:
-        header, sep, payload = url.partition(",")
+    def _data_url(self, url: str | memoryview, where: str) -> bytes:
+        if isinstance(url, str):
+            header, sep, payload = url.partition(",")
+        else:  # raw bytes: the header is short, the payload stays a view
+            comma = bytes(url[:MAX_DATA_URL_HEADER]).find(b",")
+            header = str(url[: max(comma, 0)], "latin-1")
+            sep, payload = ("," if comma >= 0 else ""), url[comma + 1 :]
         if not sep or not header.lower().endswith(";base64"):
             raise bad_request(
                 f"{where}: data URL must be 'data:<mime>;base64,<data>'", "invalid_data_url", where

@@ -138,18 +138,18 @@ class Pipeline:
         else:
             # NOTE: a repeated data: URL is known by a hash of its text, so a hit skips even the
             # base64 decoding; the cache entry itself stays keyed by the raw bytes.
-            alias = data_url_alias(salt, ref.modality, ref.url, fp) if self.cache.enabled else None
+            alias = data_url_alias(salt, ref.modality, ref.location, fp) if self.cache.enabled else None
             known = self.cache.aliased(alias) if alias else None
             if known is not None:
                 key = known
             else:
-                data = await self.source.fetch(ref.url, ref.param)
+                data = await self.source.fetch(ref.location, ref.param)
                 key = media_key(salt, ref.modality, data, fp)
                 if alias:
                     self.cache.alias(alias, key)
 
         async def make() -> MediaLayout:
-            raw = data if data is not None else await self.source.fetch(ref.url, ref.param)
+            raw = data if data is not None else await self.source.fetch(ref.location, ref.param)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._media_pool, self._decode, ref, raw, salt)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,12 @@ class MediaRef:
     url: str | None
     uuid: str | None
     param: str  # where it came from, for error messages
+    raw: memoryview | None = None  # the data: URL itself when the body held it aside (``url`` names it)
+
+    @property
+    def location(self) -> str | memoryview | None:
+        """What to fetch: the URL, or the held data: URL's bytes."""
+        return self.raw if self.raw is not None else self.url
 
 
 @dataclass(slots=True)
@@ -41,13 +48,14 @@ class ChatRequest:
     return_token_ids: bool = False
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, held: Mapping[str, memoryview] | None = None) -> ChatRequest:
+    """``held``: the data: URLs :func:`processor.body.load_body` kept out of ``body``."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "missing_model", "model")
-    messages, media = _parse_messages(body.get("messages"))
+    messages, media = _parse_messages(body.get("messages"), held or {})
     req = ChatRequest(model=model, messages=messages, media=media, max_tokens=_max_tokens(body))
     req.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
@@ -74,7 +82,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return req
 
 
-def _parse_messages(raw: Any) -> tuple[list[dict], list[MediaRef]]:
+def _parse_messages(raw: Any, held: Mapping[str, memoryview]) -> tuple[list[dict], list[MediaRef]]:
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list", "missing_messages", "messages")
     messages: list[dict] = []
@@ -98,12 +106,16 @@ def _parse_messages(raw: Any) -> tuple[list[dict], list[MediaRef]]:
             raise bad_request(
                 f"{where}.content must be a string or a list of parts", "invalid_content", where
             )
-        parts = [_parse_part(part, f"{where}.content[{j}]", role, media) for j, part in enumerate(content)]
+        parts = [
+            _parse_part(part, f"{where}.content[{j}]", role, media, held) for j, part in enumerate(content)
+        ]
         messages.append({"role": role, "content": parts})
     return messages, media
 
 
-def _parse_part(part: Any, where: str, role: str, media: list[MediaRef]) -> dict:
+def _parse_part(
+    part: Any, where: str, role: str, media: list[MediaRef], held: Mapping[str, memoryview]
+) -> dict:
     if not isinstance(part, dict):
         raise bad_request(f"{where} must be an object", "invalid_content_part", where)
     kind = part.get("type")
@@ -127,7 +139,7 @@ def _parse_part(part: Any, where: str, role: str, media: list[MediaRef]) -> dict
             raise bad_request(f"{where}.uuid must be a non-empty string", "invalid_uuid", where)
         if not url and uuid is None:
             raise bad_request(f"{where} needs {kind}.url (or a uuid)", "invalid_media_url", where)
-        media.append(MediaRef(modality, url or None, uuid, where))
+        media.append(MediaRef(modality, url or None, uuid, where, held.get(url) if url else None))
         return {"type": modality}
     raise bad_request(
         f"{where}.type {kind!r} is not supported (text, image_url, video_url)",

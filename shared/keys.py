@@ -60,14 +60,18 @@ def uuid_media_key(salt: str | None, modality: str, uuid: str, processor_fp: Fin
     )
 
 
-def data_url_alias(salt: str | None, modality: str, url: str, processor_fp: Fingerprint) -> bytes | None:
-    """A name for a ``data:`` URL's text, so a repeat is found without base64-decoding it again.
+def data_url_alias(
+    salt: str | None, modality: str, url: str | _Bytes, processor_fp: Fingerprint
+) -> bytes | None:
+    """A name for a ``data:`` URL's text (or its raw UTF-8 bytes: the same name), so a repeat is
+    found without base64-decoding it again.
 
     Only an alias: the processor maps it to the :func:`media_key` of the decoded bytes.
     """
-    if url[:5].lower() != "data:":
+    text = url.encode() if isinstance(url, str) else url
+    if bytes(text[:5]).lower() != b"data:":
         return None
-    return hash_fields(b"data-url", salt_bytes(salt), modality.encode(), url.encode(), processor_fp)
+    return hash_fields(b"data-url", salt_bytes(salt), modality.encode(), text, processor_fp)
 
 
 def file_alias(
