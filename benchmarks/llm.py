@@ -160,7 +160,7 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
     the ratio is the median over rounds of (on / off) measured back to back."""
     n = 8 if quick else 16
     num_words = 100 if quick else 200
-    rounds = 4 if quick else 6
+    rounds = 4 if quick else 10
     seed = iter(range(10_000, 20_000))
     for server in (on, off):
         await warm_up(session, server, _unique_requests(model, next(seed), 4, num_words))
