@@ -37,7 +37,7 @@ class _Pending:
 class Batcher:
     def __init__(self, tower: VisionTower, max_batch_tokens: int):
         self._tower = tower
-        self._max_tokens = max_batch_tokens
+        self.max_tokens = max_batch_tokens
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vision")
@@ -59,7 +59,7 @@ class Batcher:
 
     def _take_batch(self) -> list[_Pending]:
         batch: list[_Pending] = []
-        budget = self._max_tokens
+        budget = self.max_tokens
         while self._queue:
             head = self._queue[0]
             if head.future.cancelled():

@@ -101,7 +101,9 @@ class EncoderConfig:
     bind: str = opt("tcp://0.0.0.0:5556", "ZeroMQ address the encoder binds")
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
     dtype: str = opt("auto", "weights dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
-    max_batch_tokens: int = opt(4096, "most patches in one vision forward (chunks of several requests batch)")
+    max_batch_tokens: int = opt(
+        0, "most patches in one vision forward (chunks of requests batch); 0: 4096 on a GPU, 2048 on CPU"
+    )
     max_queue: int = opt(4096, "most chunks waiting for a forward; more are refused with 503")
     torch_threads: int = opt(0, "torch intra-op CPU threads (0 = torch's default: every core)")
     encoder_cache_gb: float = opt(2.0, "embedding cache size, GiB (0 disables)")
@@ -109,7 +111,7 @@ class EncoderConfig:
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
     def __post_init__(self) -> None:
-        _positive("max_batch_tokens", self.max_batch_tokens)
+        _positive("max_batch_tokens", self.max_batch_tokens, allow_zero=True)
         _positive("max_queue", self.max_queue)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
         _positive("encoder_cache_gb", self.encoder_cache_gb, allow_zero=True)

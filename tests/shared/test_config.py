@@ -140,7 +140,6 @@ def test_bad_flag_number_is_an_argparse_error(capsys):
         (LLMConfig, "max_queue", 0),
         (LLMConfig, "max_model_len", -1),
         (LLMConfig, "num_kv_blocks", -1),
-        (EncoderConfig, "max_batch_tokens", 0),
         (EncoderConfig, "max_batch_tokens", -5),
         (ProcessorConfig, "port", 0),
         (ProcessorConfig, "port", -80),
