@@ -45,7 +45,7 @@ class MediaSource:
         if scheme == "data":
             return self._data_url(url, where)
         if scheme == "file":
-            data, _ = await asyncio.to_thread(self._file_url, url, where)
+            data, _ = await self.fetch_file(url, where)
             return data
         if scheme in ("http", "https"):
             if self.http is None:
