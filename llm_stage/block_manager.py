@@ -54,6 +54,15 @@ class PrefixMatch:
         return self.blocks + ([self.partial[0]] if self.partial else [])
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the K/V of the first ``tokens`` slots of block ``source`` into block ``target``."""
+
+    source: int
+    target: int
+    tokens: int
+
+
 @dataclass(slots=True)
 class CacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -129,13 +138,14 @@ class BlockManager:
 
     def can_allocate(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         """Room to hold ``match`` (reviving its blocks; a shared start's source counts too, it is
-        held until copied) plus fresh blocks for ``num_new_tokens`` tokens after its full blocks?"""
+        held until copied) plus blocks for ``num_new_tokens`` tokens after it?"""
         revived = sum(1 for b in match.held() if self.blocks[b].ref_count == 0)
-        fresh = self.blocks_needed(len(match.blocks) * self.block_size + num_new_tokens) - len(match.blocks)
+        end = match.num_tokens(self.block_size) + num_new_tokens
+        fresh = self.blocks_needed(end) - len(match.blocks)
         return revived + fresh <= len(self.free)
 
     def hold(self, blocks: list[int]) -> None:
-        """Take a reference on cached blocks (a probe's pin, or a request's prefix before admission)."""
+        """Take a reference on cached blocks (a probe's pin, a shared start's source)."""
         for block_id in blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -149,31 +159,28 @@ class BlockManager:
             if block.ref_count == 0:
                 self._to_free_queue(block)
 
-    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+    def allocate(self, seq: Sequence, match: PrefixMatch) -> BlockCopy | None:
         """Admit ``seq`` with its cached prefix (its new tokens get blocks via :meth:`grow`).
 
-        A partial match takes a fresh block now and leaves ``seq.kv_copy`` for the model runner,
-        which copies the shared start into it before the step that first computes ``seq``.
+        Returns:
+            for a partial match, the copy of the shared start into ``seq``'s fresh block. Its
+            source stays held until the caller has run the copy and released it.
         """
-        assert not seq.block_table and seq.kv_copy is None
+        assert not seq.block_table
         self.hold(match.held())
         seq.block_table.extend(match.blocks)
         seq.num_computed_tokens = len(match.blocks) * self.block_size
+        copy = None
         if match.partial is not None:
             if self.free:
                 source, tokens = match.partial
                 seq.block_table.append(self._take_free())
-                seq.kv_copy = (source, seq.block_table[-1], tokens)
+                copy = BlockCopy(source, seq.block_table[-1], tokens)
                 seq.num_computed_tokens += tokens
             else:
                 self.release([match.partial[0]])
         seq.num_cached_tokens = seq.num_computed_tokens
-
-    def copied(self, seq: Sequence) -> None:
-        """The runner copied ``seq``'s shared block start: let go of the source block."""
-        if seq.kv_copy is not None:
-            self.release([seq.kv_copy[0]])
-            seq.kv_copy = None
+        return copy
 
     # --- growth and release -----------------------------------------------------
 
@@ -228,7 +235,6 @@ class BlockManager:
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""
-        self.copied(seq)  # a copy that never ran needs its source no more
         self.release(seq.block_table)
         seq.block_table.clear()
         seq.num_computed_tokens = 0

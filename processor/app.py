@@ -150,7 +150,15 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         )
     pipeline = request.app[PIPELINE]
     prepared = await pipeline.prepare(req)
-    detok = Detokenizer(pipeline.prompts.tokenizer, req.stop)
+    try:
+        return await _respond(request, prepared)
+    finally:
+        pipeline.done(prepared)
+
+
+async def _respond(request: web.Request, prepared: Prepared) -> web.StreamResponse:
+    req = prepared.req
+    detok = Detokenizer(request.app[PIPELINE].prompts.tokenizer, req.stop)
     completion = _Completion(request.app[MODEL_NAME], req, prepared)
     generation = request.app[DISPATCHER].generate(prepared)
     if req.stream:

@@ -222,9 +222,23 @@ class GenerateChunk:
 @message
 @dataclass(frozen=True, slots=True)
 class NeedEncode:
-    """Final reply instead of tokens: these chunks vanished from their encoders; encode and retry."""
+    """Mid-stream (not final): the rows of these chunks could not be read at their encoders
+    (evicted, never encoded because a cached prefix covered them, encoder gone). The request
+    stays alive: encode them again and answer with :class:`Reencoded`."""
 
     keys: list[bytes]
+    cause: str = "missing"  # "missing" | "unreachable"
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Reencoded:
+    """Processor → LLM stage, for a live generate request: the chunks of its :class:`NeedEncode`
+    are at their encoders again (and pinned for this request)."""
+
+    request_id: int  # the generate request's id on this connection
+    keys: list[bytes]
+    sources: list[str]  # encoder address per chunk, as in GenerateRequest (owners may have moved)
 
 
 @message

@@ -17,7 +17,6 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from encoder_stage.vision import Chunk, VisionTower
 from llm_stage.engine import Engine
-from llm_stage.positions import mrope_positions
 from llm_stage.sequence import MediaRows, Sequence
 from processor.preprocess import Preprocessor
 from shared.block_hash import root_hash
@@ -103,20 +102,17 @@ def make_engine(env: Env, **cfg) -> Engine:
 
 
 def make_seq(env: Env, engine: Engine, seq_id: int, prompt: Prompt, sampling: SamplingParams) -> Sequence:
-    positions, delta = mrope_positions(len(prompt.token_ids), prompt.spans, env.spec.tokens_per_second)
-    stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(env.spec.eos_token_ids))
-    return Sequence(
-        seq_id=seq_id,
-        token_ids=list(prompt.token_ids),
-        num_prompt_tokens=len(prompt.token_ids),
-        positions=positions,
-        rope_delta=delta,
-        media=list(prompt.media),
-        spans=list(prompt.spans),
-        root_hash=root_hash(env.spec.weights_fingerprint, None),
-        sampling=sampling,
-        max_model_len=engine.max_model_len,
-        stop_ids=frozenset(stop),
+    """A sequence with its media rows already present (no fetch)."""
+    return Sequence.new(
+        seq_id,
+        prompt.token_ids,
+        list(prompt.spans),
+        root_hash(env.spec.weights_fingerprint, None),
+        sampling,
+        engine.max_model_len,
+        env.spec.eos_token_ids,
+        env.spec.tokens_per_second,
+        media=prompt.media,
     )
 
 
@@ -130,7 +126,7 @@ def run(engine: Engine, seqs: list[Sequence], max_steps: int = 2000) -> dict[int
     while engine.has_work():
         steps += 1
         assert steps <= max_steps, "engine did not finish"
-        for out in engine.step():
+        for out in engine.step().outputs:
             assert out.seq_id not in reasons, "output after the finish"
             if out.token_id is not None:
                 tokens[out.seq_id].append(out.token_id)
@@ -354,13 +350,13 @@ def test_new_question_about_a_cached_image_copies_the_image_tail_and_agrees(env:
 
     def kv(e: Engine, seq) -> torch.Tensor:
         slots = [seq.block_table[t // size] * size + t % size for t in range(start, cached)]
-        return torch.stack([e.kv.k[:, slots], e.kv.v[:, slots]])
+        return e.kv.kv[:, slots]
 
     torch.testing.assert_close(kv(engine, seqs[0]), kv(fresh, seqs[1]), atol=1e-5, rtol=1e-5)
     tokens = {}
     for e, seq in zip((engine, fresh), seqs, strict=True):
         out = [seq.token_ids[-1]]
         while e.has_work():
-            out += [o.token_id for o in e.step() if o.token_id is not None]
+            out += [o.token_id for o in e.step().outputs if o.token_id is not None]
         tokens[e] = out
     assert tokens[engine] == tokens[fresh]
