@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from llm_stage.sequence import Sequence
 from shared.block_hash import BlockHash
+from shared.media_spans import chunk_places
 from shared.messages import MediaSpan
 
 MAX_PARTIAL_CANDIDATES = 16  # children of one parent compared per match, most recent first
@@ -252,14 +253,8 @@ def _same_media_until(a: BlockMedia, b: BlockMedia) -> int:
 
 def block_media(spans: Seq[MediaSpan], start: int, size: int) -> BlockMedia:
     """(chunk key, chunk start - ``start``) of the chunks overlapping tokens ``[start, start + size)``."""
-    out = []
-    for span in sorted(spans, key=lambda s: s.offset):
-        n = span.tokens_per_chunk
-        first = max(0, (start - span.offset) // n)
-        for i in range(first, len(span.chunk_keys)):
-            chunk_start = span.offset + i * n
-            if chunk_start >= start + size:
-                break
-            if chunk_start + n > start:
-                out.append((span.chunk_keys[i], chunk_start - start))
-    return tuple(out)
+    return tuple(
+        (chunk.key, chunk.start - start)
+        for chunk in chunk_places(spans)
+        if chunk.end > start and chunk.start < start + size
+    )

@@ -14,6 +14,7 @@ import torch
 import zmq.asyncio
 
 from llm_stage.sequence import MediaRows
+from shared.media_spans import chunk_places
 from shared.messages import FetchRequest, MediaSpan
 from shared.rpc import RemoteError, RpcClient
 
@@ -34,13 +35,10 @@ class ChunkRef:
 
 def chunk_refs(spans: list[MediaSpan], sources: list[str]) -> list[ChunkRef]:
     """Every chunk of the prompt with its encoder (``sources``: spans in order, chunks in order)."""
-    refs: list[ChunkRef] = []
-    for span in spans:
-        n = span.tokens_per_chunk
-        for i, key in enumerate(span.chunk_keys):
-            start = span.offset + i * n
-            refs.append(ChunkRef(start, start + n, key, sources[len(refs)]))
-    return refs
+    return [
+        ChunkRef(c.start, c.end, c.key, source)
+        for c, source in zip(chunk_places(spans), sources, strict=True)
+    ]
 
 
 @dataclass(slots=True)

@@ -63,9 +63,11 @@ def _check_spans(ids: torch.Tensor, spans: list[MediaSpan], spec: ModelSpec) -> 
     """Spans must cover their placeholder tokens without overlap; returns the number of chunks."""
     cursor = 0
     chunks = 0
-    for span in sorted(spans, key=lambda s: s.offset):
+    for span in spans:
         if span.modality not in ("image", "video") or span.offset < cursor:
-            raise RequestError("bad_spans", "media spans must be image/video and must not overlap")
+            raise RequestError(
+                "bad_spans", "media spans must be image/video, in prompt order and not overlapping"
+            )
         t, h, w = span.grid_thw
         if (
             span.merge_size != spec.spatial_merge_size

@@ -22,6 +22,7 @@ from processor.errors import APIError
 from processor.pipeline import Prepared, sampling_params
 from processor.preprocess import Chunk
 from processor.stages import Route, StageClients
+from shared.media_spans import chunk_places
 from shared.messages import (
     EncodeItem,
     EncodeRequest,
@@ -55,15 +56,11 @@ class Dispatcher:
         self.num_repairs = 0  # NeedEncode answered: chunks encoded again for a live request
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
-        out = []
-        for span, layout in zip(prepared.spans, prepared.media, strict=True):
-            n = span.tokens_per_chunk
-            for i, chunk in enumerate(layout.chunks):
-                start = span.offset + i * n
-                out.append(
-                    _Placed(start, start + n, span.modality, chunk, self.stages.encoder_for(chunk.key))
-                )
-        return out
+        chunks = [chunk for layout in prepared.media for chunk in layout.chunks]
+        return [
+            _Placed(place.start, place.end, place.span.modality, chunk, self.stages.encoder_for(chunk.key))
+            for place, chunk in zip(chunk_places(prepared.spans), chunks, strict=True)
+        ]
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[GenerateChunk]:
         """Stream the chosen LLM replica's replies; leaving early aborts the generation."""
