@@ -31,6 +31,7 @@ from shared.messages import (
 )
 from shared.rpc import Responder
 from shared.service import run_stage
+from shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class EncoderService:
         self.tower = tower
         self.batcher = Batcher(tower, cfg.max_batch_tokens or default_batch_tokens(tower.device))
         self.cache = EmbeddingCache(cfg.cache_bytes, cfg.handoff_ttl)
-        self._inflight: dict[bytes, asyncio.Task[torch.Tensor]] = {}
+        self._flight: SingleFlight[bytes, torch.Tensor] = SingleFlight()
         self.num_fetches = 0
 
     def key(self, chunk: bytes) -> bytes:
@@ -117,24 +118,16 @@ class EncoderService:
         key = self.key(item.key)
         if self.cache.touch(key, handoff):
             return False
-        task = self._inflight.get(key)
-        owner = task is None
-        if task is None:  # single flight: concurrent requests for one key share this forward
-            task = asyncio.get_running_loop().create_task(self._compute(key, item))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            self._inflight[key] = task
-        rows = await asyncio.shield(task)
+        # NOTE: concurrent requests for one key share one forward
+        rows, owner = await self._flight.run(key, lambda: self._compute(key, item))
         if not self.cache.touch(key, handoff):
             self.cache.put(key, rows, handoff)
         return owner
 
     async def _compute(self, key: bytes, item: EncodeItem) -> torch.Tensor:
-        try:
-            rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
-            self.cache.put(key, rows, handoff=False)
-            return rows
-        finally:
-            self._inflight.pop(key, None)
+        rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
+        self.cache.put(key, rows, handoff=False)
+        return rows
 
     def _fetch(self, msg: FetchRequest, reply: Responder) -> None:
         key = self.key(msg.key)

@@ -11,13 +11,13 @@ evicted while held and stay inside the byte budget.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from processor.preprocess import MediaLayout
 from shared.keys import MediaKey
+from shared.single_flight import SingleFlight
 
 Make = Callable[[], Awaitable[MediaLayout]]
 
@@ -37,7 +37,7 @@ class MediaCache:
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self._entries: OrderedDict[MediaKey, MediaLayout] = OrderedDict()
-        self._inflight: dict[MediaKey, asyncio.Future[MediaLayout]] = {}
+        self._flight: SingleFlight[MediaKey, MediaLayout] = SingleFlight()
         self._aliases: OrderedDict[bytes, MediaKey] = OrderedDict()
         self._held: Counter[MediaKey] = Counter()  # entry → live requests holding it
         self.nbytes = 0
@@ -65,7 +65,7 @@ class MediaCache:
 
     def has(self, key: MediaKey) -> bool:
         """Held or being made: :meth:`get_or_make` will not call its ``make`` for ``key`` now."""
-        return key in self._entries or key in self._inflight
+        return key in self._entries or key in self._flight
 
     def get(self, key: MediaKey) -> MediaLayout | None:
         layout = self._entries.get(key)
@@ -110,25 +110,17 @@ class MediaCache:
         if layout is not None:
             self.stats.hits += 1
             return layout, True
-        pending = self._inflight.get(key)
-        if pending is not None:
+        if key in self._flight:
             self.stats.hits += 1
-            return await asyncio.shield(pending), True
-        self.stats.misses += 1
-        self.stats.decodes += 1
-        # NOTE: the work runs as its own task so that a cancelled first requester
-        # (client gone) does not fail the others waiting on the same key.
-        task = asyncio.get_running_loop().create_task(self._make(key, make))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
-        self._inflight[key] = task
-        return await asyncio.shield(task), False
+        else:
+            self.stats.misses += 1
+            self.stats.decodes += 1
+        layout, owner = await self._flight.run(key, lambda: self._make(key, make))
+        return layout, not owner
 
     async def _make(self, key: MediaKey, make: Make) -> MediaLayout:
-        try:
-            layout = await make()
-        finally:
-            self._inflight.pop(key, None)
-        self.put(key, layout)
+        layout = await make()
+        self.put(key, layout)  # NOTE: in the shared task: kept even if the first caller is gone
         return layout
 
 
