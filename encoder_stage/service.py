@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 import torch
-import zmq.asyncio
+import zmq
 
 from encoder_stage.batcher import Batcher
 from encoder_stage.embedding_cache import EmbeddingCache
@@ -109,20 +109,18 @@ class EncoderService:
             if problem := self.check(item):
                 await reply.send(ErrorReply("bad_pixels", problem, 400))
                 return
-        results = await asyncio.gather(*(self._encode_one(item, msg.handoff) for item in msg.items))
-        encoded = sum(results)
-        await reply.send(EncodeReply(num_encoded=encoded, num_reused=len(results) - encoded))
+        await asyncio.gather(*(self._encode_one(item, msg.handoff) for item in msg.items))
+        await reply.send(EncodeReply())
 
-    async def _encode_one(self, item: EncodeItem, handoff: bool) -> bool:
-        """Make sure ``item`` is cached (pinned for hand-off if asked); True if this call ran its forward."""
+    async def _encode_one(self, item: EncodeItem, handoff: bool) -> None:
+        """Make sure ``item`` is cached (pinned for hand-off if asked)."""
         key = self.key(item.key)
         if self.cache.touch(key, handoff):
-            return False
+            return
         # NOTE: concurrent requests for one key share one forward
-        rows, owner = await self._flight.run(key, lambda: self._compute(key, item))
+        rows, _ = await self._flight.run(key, lambda: self._compute(key, item))
         if not self.cache.touch(key, handoff):
             self.cache.put(key, rows, handoff)
-        return owner
 
     async def _compute(self, key: bytes, item: EncodeItem) -> torch.Tensor:
         rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
@@ -168,7 +166,7 @@ class EncoderService:
 def run(cfg: EncoderConfig) -> None:
     spec = ModelSpec.load(cfg.model)
 
-    async def make(ctx: zmq.asyncio.Context):
+    async def make(ctx: zmq.Context):
         service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
         return service.handle, service.quick, service.close
 

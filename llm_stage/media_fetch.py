@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 
 import torch
-import zmq.asyncio
+import zmq
 
 from llm_stage.sequence import MediaRows
 from shared.media_spans import chunk_places
@@ -57,7 +57,7 @@ def _cause(exc: Exception) -> str:
 
 
 class MediaFetcher:
-    def __init__(self, ctx: zmq.asyncio.Context, timeout: float, hidden_size: int):
+    def __init__(self, ctx: zmq.Context, timeout: float, hidden_size: int):
         self._ctx = ctx
         self._hidden = hidden_size
         self._timeout = timeout

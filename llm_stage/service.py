@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq.asyncio
+import zmq
 
 from llm_stage.engine import Engine
 from llm_stage.media_fetch import ChunkRef, MediaFetcher, chunk_refs
@@ -354,7 +354,7 @@ def _keys(spans: list[MediaSpan]) -> list[bytes]:
 def run(cfg: LLMConfig) -> None:
     spec = ModelSpec.load(cfg.model)
 
-    async def make(ctx: zmq.asyncio.Context):
+    async def make(ctx: zmq.Context):
         engine = Engine(cfg, spec)
         fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size)
         service = LLMService(cfg, engine, fetcher)

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import orjson
-import zmq.asyncio
+import zmq
 from aiohttp import web
 
 from processor.body import load_body
@@ -50,7 +50,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
     prompts = PromptBuilder(spec)
 
     async def resources(app: web.Application):
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         stages = StageClients(ctx, split_list(cfg.encoder), split_list(cfg.llm))
         http = HttpFetcher(
             parse_networks(split_list(cfg.allowed_media_networks)),

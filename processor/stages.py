@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass
 
-import zmq.asyncio
+import zmq
 
 from shared.block_hash import block_hashes, root_hash
 from shared.keys import Fingerprint
@@ -31,7 +31,7 @@ class Route:
 
 
 class StageClients:
-    def __init__(self, ctx: zmq.asyncio.Context, encoders: list[str], llms: list[str]):
+    def __init__(self, ctx: zmq.Context, encoders: list[str], llms: list[str]):
         self.encoders = {a: RpcClient(ctx, a, "encoder") for a in encoders}
         self.llms = [RpcClient(ctx, a, "llm") for a in llms]
         self._kv_identity: tuple[bytes, int] | None = None

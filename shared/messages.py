@@ -92,8 +92,7 @@ class EncodeRequest:
 @message
 @dataclass(frozen=True, slots=True)
 class EncodeReply:
-    num_encoded: int  # chunks this request's forwards computed
-    num_reused: int  # chunks already cached or computed by a concurrent request
+    """Every item of the request is cached at the encoder (and pinned for hand-off if asked)."""
 
 
 @message
