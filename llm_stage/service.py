@@ -108,7 +108,6 @@ class LLMService:
         stats, fetch = self.engine.blocks.stats, self.fetcher.stats
         info = {
             "max_model_len": self.engine.max_model_len,
-            "block_size": self.cfg.block_size,
             "prefix_cache": int(self.cfg.prefix_cache),
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
@@ -122,7 +121,9 @@ class LLMService:
             "repairs": sum(self.repairs.values()),
             **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
         }
-        return Pong("llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info)
+        return Pong(
+            "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, self.cfg.block_size
+        )
 
     # --- probe ----------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ class StageClients:
             for client in self.llms:
                 health = await self.ping(client, timeout)
                 if health.pong is not None:
-                    self._kv_identity = (health.pong.fingerprint, int(health.pong.info["block_size"]))
+                    self._kv_identity = (health.pong.fingerprint, health.pong.block_size)
                     break
         return self._kv_identity
 

@@ -28,7 +28,8 @@ class Pong:
     model: str
     fingerprint: bytes
     load: int = 0  # requests queued or running
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # counters, for people (metrics), never for routing
+    block_size: int = 0  # an LLM replica's KV block size (routing hashes blocks of this size)
 
 
 @message
