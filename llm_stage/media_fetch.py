@@ -1,7 +1,9 @@
 """Pull embedding rows from the encoders that own them.
 
 Only rows at or after the cached prefix are fetched: a chunk wholly inside
-the prefix costs nothing, a chunk the prefix ends inside costs its tail.
+the prefix costs nothing, a chunk the prefix ends inside costs its tail. A row
+holds every feature set of its token (the merged embedding, then the deepstack
+sets where the family has them), so a tail fetch reads the tail of each set.
 """
 
 from __future__ import annotations
@@ -45,14 +47,16 @@ def chunk_refs(spans: list[MediaSpan], sources: list[str], handoff: list[bool]) 
 @dataclass(slots=True)
 class FetchStats:
     fetches: int = 0
-    rows: int = 0
+    rows: int = 0  # visual tokens
+    feature_rows: int = 0  # rows of all feature sets: rows * feature sets
     chunks_skipped: int = 0  # wholly inside the cached prefix
 
 
 class MediaFetcher:
-    def __init__(self, ctx: zmq.asyncio.Context, timeout: float, hidden_size: int):
+    def __init__(self, ctx: zmq.asyncio.Context, timeout: float, hidden_size: int, feature_sets: int = 1):
         self._ctx = ctx
         self._hidden = hidden_size
+        self._sets = feature_sets
         self._timeout = timeout
         self._clients: dict[str, RpcClient] = {}
         self.stats = FetchStats()
@@ -112,12 +116,12 @@ class MediaFetcher:
                 raise MissingEmbeddings([key]) from exc
             raise
         rows = reply.rows
-        if tuple(rows.shape) != (hi - lo, self._hidden) or not rows.is_floating_point():
-            raise RuntimeError(
-                f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {(hi - lo, self._hidden)}"
-            )
+        want = (hi - lo, self._sets, self._hidden)
+        if tuple(rows.shape) != want or not rows.is_floating_point():
+            raise RuntimeError(f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {want}")
         self.stats.fetches += 1
         self.stats.rows += hi - lo
+        self.stats.feature_rows += (hi - lo) * self._sets
         return rows
 
     def close(self) -> None:

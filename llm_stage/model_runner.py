@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from llm_stage.sequence import Sequence
-from llm_stage.text_model import LayerWeights, TextLM
+from llm_stage.text_model import LayerWeights, TextLM, qk_norm_
+from llm_stage.visual_rows import VisualRows
 
 
 class KVCache:
@@ -171,12 +172,15 @@ class ModelRunner:
             ids += seq.token_ids[start : start + n]
             row += n
         hidden = self.lm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
-        for item in items:
-            self._place_media(hidden, item)
+        visual = VisualRows.gather([(it.row, it.start, it.end, it.seq.media) for it in items], hidden)
+        if visual is not None:
+            visual.place(hidden)
         rope = self._rope(hidden, items)
         plan = self._plan(items)
         for idx, weights in enumerate(self.lm.fused):
             hidden = self._layer(idx, weights, hidden, rope, plan)
+            if visual is not None:
+                visual.add_deepstack(hidden, idx)
         last_rows = [
             item.row + item.end - item.start - 1 for item in items if item.end == item.seq.num_tokens
         ]
@@ -205,13 +209,6 @@ class ModelRunner:
         cos, sin = self.lm.rope(hidden, positions.to(self.device))
         return cos[0, :, None], fold_sin(sin)[0, :, None]
 
-    def _place_media(self, hidden: torch.Tensor, item: _Item) -> None:
-        for media in item.seq.media:
-            lo, hi = max(item.start, media.start), min(item.end, media.end)
-            if lo < hi:
-                rows = media.rows[lo - media.start : hi - media.start]
-                hidden[item.row + lo - item.start : item.row + hi - item.start] = rows.to(hidden.dtype)
-
     def _layer(
         self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: _Plan
     ) -> torch.Tensor:
@@ -219,6 +216,8 @@ class ModelRunner:
         n, heads, kv_heads = hidden.shape[0], lm.num_heads, lm.num_kv_heads
         x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)
         qkv = F.linear(x, w.qkv, w.qkv_bias).view(n, heads + 2 * kv_heads, lm.head_dim)
+        if w.qk_norm is not None:
+            qk_norm_(qkv[:, : heads + kv_heads], w)
         rotate_(qkv[:, : heads + kv_heads], *rope)
         self.kv.kv[idx].index_copy_(0, plan.new_slots, qkv[:, heads:])
         out = self._attention(idx, qkv, plan)

@@ -56,13 +56,15 @@ class Dispatcher:
         self.num_repairs = 0  # generate attempts answered with NeedEncode
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
+        # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
+        chunks = {c.key: c for layout in prepared.media for c in layout.chunks}
         out = []
-        for span, layout in zip(prepared.spans, prepared.media, strict=True):
+        for span in prepared.spans:
             n = span.tokens_per_chunk
-            for i, chunk in enumerate(layout.chunks):
+            for i, key in enumerate(span.chunk_keys):
                 start = span.offset + i * n
                 out.append(
-                    _Placed(start, start + n, span.modality, chunk, self.stages.encoder_for(chunk.key))
+                    _Placed(start, start + n, span.modality, chunks[key], self.stages.encoder_for(key))
                 )
         return out
 
