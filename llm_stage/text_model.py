@@ -44,7 +44,7 @@ def qk_norm_(qk: torch.Tensor, w: LayerWeights) -> None:
     """Qwen3's q/k norm in place on (rows, heads + kv_heads, head_dim): each head over its dimension.
 
     NOTE: ``rms_norm`` without a weight, then the weight, is the reference's order of operations
-    (normalise in float32, then scale), so the result is the same bit for bit in float32.
+    (normalise, then scale): in float32 the result is the modules' bit for bit (a test checks).
     """
     normed = F.rms_norm(qk, (qk.shape[-1],), None, w.qk_eps)
     qk.copy_(normed.mul_(w.qk_norm))
