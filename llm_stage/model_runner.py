@@ -223,6 +223,8 @@ class ModelRunner:
         out = self._attention(idx, qkv, plan)
         hidden = hidden + F.linear(out, w.o)
         x = F.rms_norm(hidden, w.norm_shape, w.post_norm, w.eps)
+        if w.moe is not None:
+            return hidden + w.moe(x[None])[0]
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
         return hidden + F.linear(w.act(gate) * up, w.down)
 

@@ -28,9 +28,9 @@ class LayerWeights:
     qkv: torch.Tensor  # (q + k + v outputs, hidden)
     qkv_bias: torch.Tensor | None  # Qwen2 layers
     o: torch.Tensor
-    gate_up: torch.Tensor  # (2 * intermediate, hidden)
-    down: torch.Tensor
-    act: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: torch.Tensor | None  # (2 * intermediate, hidden); None in a mixture-of-experts layer
+    down: torch.Tensor | None
+    act: Callable[[torch.Tensor], torch.Tensor] | None
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     norm_shape: tuple[int]
@@ -38,6 +38,7 @@ class LayerWeights:
     # Qwen3 layers: norm weights of each query head, then each kv head: (heads + kv_heads, head_dim)
     qk_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
+    moe: nn.Module | None = None  # Qwen3-VL-MoE: the layer's experts block, (1, rows, hidden) in and out
 
 
 def qk_norm_(qk: torch.Tensor, w: LayerWeights) -> None:
@@ -65,6 +66,7 @@ def _fuse(linears: list[nn.Linear], name: str) -> torch.Tensor:
 def _layer_weights(layer: nn.Module, heads: int, kv_heads: int) -> LayerWeights:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    moe = hasattr(mlp, "experts")  # routed experts: their module runs them, nothing to fuse
     norm = layer.input_layernorm
     qk_norm, qk_eps = None, 0.0
     if hasattr(attn, "q_norm"):
@@ -74,15 +76,16 @@ def _layer_weights(layer: nn.Module, heads: int, kv_heads: int) -> LayerWeights:
         qkv=_fuse(qkv, "weight"),
         qkv_bias=_fuse(qkv, "bias") if attn.q_proj.bias is not None else None,
         o=attn.o_proj.weight,
-        gate_up=_fuse([mlp.gate_proj, mlp.up_proj], "weight"),
-        down=mlp.down_proj.weight,
-        act=mlp.act_fn,
+        gate_up=None if moe else _fuse([mlp.gate_proj, mlp.up_proj], "weight"),
+        down=None if moe else mlp.down_proj.weight,
+        act=None if moe else mlp.act_fn,
         input_norm=norm.weight,
         post_norm=layer.post_attention_layernorm.weight,
         norm_shape=(norm.weight.shape[0],),
         eps=norm.variance_epsilon,
         qk_norm=qk_norm,
         qk_eps=qk_eps,
+        moe=mlp if moe else None,
     )
 
 

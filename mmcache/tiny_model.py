@@ -1,4 +1,4 @@
-"""Offline, deterministic generator for tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints.
+"""Offline, deterministic generator for tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense, MoE) checkpoints.
 
 ``make_tiny_model(out_dir)`` writes a complete Hugging Face-format checkpoint (randomly initialised weights, a
 byte-level BPE tokenizer trained on a small built-in corpus, image/video processor configs and the family's
@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-TINY_MODEL_ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+TINY_MODEL_ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 
 # Same order (and therefore the same relative ids) as the real Qwen2-VL added tokens.
 SPECIAL_TOKENS = (
@@ -213,7 +213,7 @@ def build_tokenizer() -> Any:
 
 
 def _build_config(arch: str, tokenizer: Any) -> Any:
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text_config: dict[str, Any] = {
@@ -257,7 +257,9 @@ def _build_config(arch: str, tokenizer: Any) -> Any:
             "tokens_per_second": 2,
         }
     else:
-        config_cls = Qwen3VLConfig
+        config_cls = Qwen3VLConfig if arch == "qwen3-vl" else Qwen3VLMoeConfig
+        if arch == "qwen3-vl-moe":  # every layer routes each token to 2 of 8 experts
+            text_config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
         # Qwen3 text layers: no q/k/v biases, q/k norms, an explicit head_dim, interleaved M-RoPE.
         del text_config["max_window_layers"]
         text_config["head_dim"] = 32
@@ -302,7 +304,7 @@ def build_processor(arch: str = "qwen2-vl") -> Any:
     )
 
     _check_arch(arch)
-    if arch == "qwen3-vl":
+    if arch.startswith("qwen3-vl"):
         # Qwen3-VL: 16-pixel patches, and a video budget over all frames together (up to 64 frames of
         # 224x224 fit, so the tiny model's frame size does not depend on the clip length there).
         vision: dict[str, Any] = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
@@ -347,6 +349,7 @@ def _save_model(arch: str, tokenizer: Any, out: Path) -> None:
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
     )
 
     config = _build_config(arch, tokenizer)
@@ -354,6 +357,7 @@ def _save_model(arch: str, tokenizer: Any, out: Path) -> None:
         "qwen2-vl": Qwen2VLForConditionalGeneration,
         "qwen2.5-vl": Qwen2_5_VLForConditionalGeneration,
         "qwen3-vl": Qwen3VLForConditionalGeneration,
+        "qwen3-vl-moe": Qwen3VLMoeForConditionalGeneration,
     }[arch]
     old_dtype = torch.get_default_dtype()
     # Leave the caller's global RNG and default dtype untouched.

@@ -13,7 +13,8 @@ transformers names them differently):
 - *placeholder layout*: a video is one run of placeholder tokens (Qwen2-VL, Qwen2.5-VL), or
   one run per temporal chunk, each preceded by its timestamp text (Qwen3-VL).
 - *text-model block*: Qwen2 layers (q/k/v biases) or Qwen3 layers (no biases, RMS norm of q
-  and k over the head dimension before the rotary embedding).
+  and k over the head dimension before the rotary embedding); Qwen3-VL-MoE's layers route each
+  token to a few experts instead of one MLP (the layer's own transformers module runs them).
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ FAMILIES: dict[str, ModelFamily] = {
             arch="qwen3-vl",
             vision_class=_T + "qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
             text_class=_T + "qwen3_vl.modeling_qwen3_vl:Qwen3VLTextModel",
+            deepstack=True,
+            time_spaced_video=False,
+            timestamped_video=True,
+            qk_norm=True,
+        ),
+        ModelFamily(
+            model_type="qwen3_vl_moe",
+            arch="qwen3-vl-moe",
+            vision_class=_T + "qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeVisionModel",
+            text_class=_T + "qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeTextModel",
             deepstack=True,
             time_spaced_video=False,
             timestamped_video=True,

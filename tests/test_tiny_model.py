@@ -29,13 +29,15 @@ PROCESSOR_CLASS = {
     "qwen2-vl": "Qwen2VLProcessor",
     "qwen2.5-vl": "Qwen2_5_VLProcessor",
     "qwen3-vl": "Qwen3VLProcessor",
+    "qwen3-vl-moe": "Qwen3VLProcessor",
 }
 MODEL_CLASS = {
     "qwen2-vl": "Qwen2VLForConditionalGeneration",
     "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3-vl": "Qwen3VLForConditionalGeneration",
+    "qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
 }
-PATCH = {"qwen2-vl": 14, "qwen2.5-vl": 14, "qwen3-vl": 16}
+PATCH = {"qwen2-vl": 14, "qwen2.5-vl": 14, "qwen3-vl": 16, "qwen3-vl-moe": 16}
 BPE_VOCAB = 2000  # trained BPE size; the 14 special tokens follow it
 
 
@@ -98,7 +100,7 @@ def test_auto_classes_load(tiny: Tiny) -> None:
     assert type(proc).__name__ == PROCESSOR_CLASS[tiny.arch]
     assert type(proc.tokenizer).__name__ == "Qwen2Tokenizer"
     image_proc, video_proc = proc.image_processor, proc.video_processor
-    if tiny.arch == "qwen3-vl":  # its video budget covers all frames together: 64 of 224x224
+    if tiny.arch.startswith("qwen3-vl"):  # its video budget covers all frames together: 64 of 224x224
         assert (image_proc.size["shortest_edge"], image_proc.size["longest_edge"]) == (64 * 64, 448 * 448)
         assert (video_proc.size["shortest_edge"], video_proc.size["longest_edge"]) == (
             2 * 64 * 64,
@@ -123,10 +125,11 @@ def test_auto_classes_load(tiny: Tiny) -> None:
     assert config.text_config.vocab_size >= len(tok)
     assert config.text_config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.eos_token_id == [tok.eos_token_id, tok.pad_token_id]
-    if tiny.arch == "qwen3-vl":  # the parts that differ: deepstack, q/k norms, interleaved M-RoPE
+    if tiny.arch.startswith("qwen3-vl"):  # the parts that differ: deepstack, q/k norms, interleaved M-RoPE
         assert config.vision_config.deepstack_visual_indexes == [0, 1, 2]
         assert config.text_config.rope_parameters["mrope_interleaved"] is True
         assert hasattr(model.model.language_model.layers[0].self_attn, "q_norm")
+        assert hasattr(model.model.language_model.layers[0].mlp, "experts") == tiny.arch.endswith("moe")
 
 
 def test_tokenizer_round_trip_and_special_tokens(tiny: Tiny) -> None:
@@ -151,7 +154,7 @@ def test_tokenizer_round_trip_and_special_tokens(tiny: Tiny) -> None:
 
 def test_chat_template(tiny: Tiny) -> None:
     proc = tiny.processor
-    qwen3 = tiny.arch == "qwen3-vl"
+    qwen3 = tiny.arch.startswith("qwen3-vl")
     template = QWEN3_CHAT_TEMPLATE if qwen3 else CHAT_TEMPLATE
     assert (tiny.path / "chat_template.jinja").read_text() == template
     text = proc.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)

@@ -26,7 +26,7 @@ from shared.config import LLMConfig
 from shared.messages import MediaSpan, SamplingParams
 from tests.media import image_bytes
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 

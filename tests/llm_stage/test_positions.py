@@ -17,7 +17,7 @@ from llm_stage.positions import mrope_positions
 from shared.checkpoint import ModelSpec
 from shared.messages import MediaSpan
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MERGE = 2
 TEMPORAL_PATCH = 2
 

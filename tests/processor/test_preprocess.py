@@ -24,7 +24,7 @@ from processor.preprocess import Preprocessor
 from shared.checkpoint import ModelSpec
 from tests.media import decode_all_frames, image_array, image_bytes, video_bytes
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 LIMITS = DecodeLimits(
     max_image_pixels=40_000_000, video_fps=2.0, max_video_frames=64, max_video_seconds=600.0
 )

@@ -93,4 +93,5 @@ def test_each_family_is_described_once(tiny_models):
         "qwen2-vl": (1, 0, False, False),
         "qwen2.5-vl": (1, 2, False, False),
         "qwen3-vl": (4, 0, True, True),  # merged + 3 deepstack sets; timestamps; q/k norms
+        "qwen3-vl-moe": (4, 0, True, True),  # the same, with routed experts in the text layers
     }
