@@ -104,7 +104,7 @@ class VisionTower:
         sets = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
         if len(sets) != self.feature_sets:
             raise RuntimeError(f"vision tower returned {len(sets)} feature sets, want {self.feature_sets}")
-        rows = torch.stack(sets, dim=1)
+        rows = sets[0][:, None] if len(sets) == 1 else torch.stack(sets, dim=1)  # a view when one set
         sizes = (grid_thw.prod(-1) // (self.merge * self.merge)).tolist()
         return [e.to("cpu", copy=True) for e in torch.split(rows, sizes)]
 
