@@ -2,7 +2,9 @@
 
 The scheduler asks only for rows its sequences lack (after the cached prefix,
 or what a preemption lost): a chunk wholly inside the prefix costs nothing, a
-chunk the prefix ends inside costs its tail.
+chunk the prefix ends inside costs its tail. A row holds every feature set of
+its token (the merged embedding, then the deepstack sets where the family has
+them), so a tail fetch reads the tail of each set.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def chunk_refs(spans: list[MediaSpan], sources: list[str]) -> list[ChunkRef]:
 @dataclass(slots=True)
 class FetchStats:
     fetches: int = 0
-    rows: int = 0
+    rows: int = 0  # visual tokens
+    feature_rows: int = 0  # rows of all feature sets: rows * feature sets
     chunks_skipped: int = 0  # wholly inside the cached prefix
 
 
@@ -57,9 +60,10 @@ def _cause(exc: Exception) -> str:
 
 
 class MediaFetcher:
-    def __init__(self, ctx: zmq.Context, timeout: float, hidden_size: int):
+    def __init__(self, ctx: zmq.Context, timeout: float, hidden_size: int, feature_sets: int = 1):
         self._ctx = ctx
         self._hidden = hidden_size
+        self._sets = feature_sets
         self._timeout = timeout
         self._clients: dict[str, RpcClient] = {}
         self.stats = FetchStats()
@@ -117,12 +121,12 @@ class MediaFetcher:
             FetchRequest(key, lo, hi, release=release), timeout=self._timeout
         )
         rows = reply.rows
-        if tuple(rows.shape) != (hi - lo, self._hidden) or not rows.is_floating_point():
-            raise RuntimeError(
-                f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {(hi - lo, self._hidden)}"
-            )
+        want = (hi - lo, self._sets, self._hidden)
+        if tuple(rows.shape) != want or not rows.is_floating_point():
+            raise RuntimeError(f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {want}")
         self.stats.fetches += 1
         self.stats.rows += hi - lo
+        self.stats.feature_rows += (hi - lo) * self._sets
         return rows
 
     def close(self) -> None:

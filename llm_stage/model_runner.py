@@ -20,7 +20,8 @@ from llm_stage.attention import AttentionBackend, SdpaBackend
 from llm_stage.block_manager import BlockCopy
 from llm_stage.kv_cache import KVCache
 from llm_stage.scheduler import StepItem
-from llm_stage.text_model import LayerWeights, TextLM
+from llm_stage.text_model import LayerWeights, TextLM, qk_norm_
+from llm_stage.visual_rows import VisualRows
 
 _Rope = tuple[torch.Tensor, torch.Tensor]  # cos and folded sin of every row, (rows, 1, head_dim)
 
@@ -54,20 +55,27 @@ class ModelRunner:
     def run(self, items: list[StepItem]) -> torch.Tensor:
         """Compute each item's tokens; returns logits (float32) of every item that samples, in order."""
         ids: list[int] = []
+        rows: list[int] = []  # first row of each item
+        last_rows = []
+        row = 0
         for item in items:
             ids += item.seq.token_ids[item.start : item.end]
-        hidden = self.lm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
-        row = 0
-        last_rows = []
-        for item in items:
-            self._place_media(hidden, item, row)
+            rows.append(row)
             row += item.num_tokens
             if item.samples:
                 last_rows.append(row - 1)
+        hidden = self.lm.embed(torch.tensor(ids, dtype=torch.long, device=self.device))
+        visual = VisualRows.gather(
+            [(r, it.start, it.end, it.seq.media) for r, it in zip(rows, items, strict=True)], hidden
+        )
+        if visual is not None:
+            visual.place(hidden)
         rope = self._rope(hidden, items)
         plan = self.attention.plan(items)
         for idx, weights in enumerate(self.lm.fused):
             hidden = self._layer(idx, weights, hidden, rope, plan)
+            if visual is not None:
+                visual.add_deepstack(hidden, idx)
         if not last_rows:
             return hidden.new_empty((0, self.lm.vocab_size), dtype=torch.float32)
         if len(last_rows) < hidden.shape[0]:
@@ -93,14 +101,6 @@ class ModelRunner:
         cos, sin = self.lm.rope(hidden, positions.to(self.device))
         return cos[0, :, None], fold_sin(sin)[0, :, None]
 
-    def _place_media(self, hidden: torch.Tensor, item: StepItem, row: int) -> None:
-        """Media rows replace the placeholder tokens' embeddings (the item starts at ``row``)."""
-        for media in item.seq.media:
-            lo, hi = max(item.start, media.start), min(item.end, media.end)
-            if lo < hi:
-                rows = media.rows[lo - media.start : hi - media.start]
-                hidden[row + lo - item.start : row + hi - item.start] = rows.to(hidden.dtype)
-
     def _layer(
         self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: object
     ) -> torch.Tensor:
@@ -108,10 +108,14 @@ class ModelRunner:
         n, heads, kv_heads = hidden.shape[0], lm.num_heads, lm.num_kv_heads
         x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)
         qkv = F.linear(x, w.qkv, w.qkv_bias).view(n, heads + 2 * kv_heads, lm.head_dim)
+        if w.qk_norm is not None:
+            qk_norm_(qkv[:, : heads + kv_heads], w)
         rotate_(qkv[:, : heads + kv_heads], *rope)
         self.attention.write(idx, qkv[:, heads:], plan)
         out = self.attention.attend(idx, qkv, plan)
         hidden = hidden + F.linear(out, w.o)
         x = F.rms_norm(hidden, w.norm_shape, w.post_norm, w.eps)
+        if w.moe is not None:
+            return hidden + w.moe(x[None])[0]
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
         return hidden + F.linear(w.act(gate) * up, w.down)

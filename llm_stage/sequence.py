@@ -22,10 +22,14 @@ class SeqStatus(Enum):
 
 @dataclass(slots=True)
 class MediaRows:
-    """Embedding rows that replace the placeholder tokens ``[start, start + len(rows))``."""
+    """Embedding rows that replace the placeholder tokens ``[start, start + len(rows))``.
+
+    Feature set 0 replaces the tokens' embeddings; set ``1 + i`` (deepstack) is added to their
+    hidden states after decoder layer ``i``.
+    """
 
     start: int
-    rows: torch.Tensor  # (tokens, hidden)
+    rows: torch.Tensor  # (tokens, feature sets, hidden)
 
     @property
     def end(self) -> int:

@@ -117,6 +117,7 @@ class LLMService:
             "free_blocks": self.engine.blocks.num_free_blocks,
             "embedding_fetches": fetch.fetches,
             "embedding_rows_fetched": fetch.rows,
+            "embedding_feature_rows_fetched": fetch.feature_rows,
             "chunks_skipped": fetch.chunks_skipped,
             "repairs": sum(self.repairs.values()),
             **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
@@ -357,7 +358,7 @@ def run(cfg: LLMConfig) -> None:
 
     async def make(ctx: zmq.Context):
         engine = Engine(cfg, spec)
-        fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size)
+        fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size, spec.feature_sets)
         service = LLMService(cfg, engine, fetcher)
         return service.handle, service.quick, service.close
 

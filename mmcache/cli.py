@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmcache.tiny_model import TINY_MODEL_ARCHS
 from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
 
 
@@ -25,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="generate the tiny test checkpoint offline")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", default="qwen2-vl", choices=("qwen2-vl", "qwen2.5-vl"))
+    tiny.add_argument("--arch", default="qwen2-vl", choices=TINY_MODEL_ARCHS)
 
     bench = sub.add_parser("bench", help="run the benchmarks and print their ratios")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")

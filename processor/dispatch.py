@@ -56,10 +56,11 @@ class Dispatcher:
         self.num_repairs = 0  # NeedEncode answered: chunks encoded again for a live request
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
-        chunks = [chunk for layout in prepared.media for chunk in layout.chunks]
+        # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
+        chunks = {c.key: c for layout in prepared.media for c in layout.chunks}
         return [
-            _Placed(place.start, place.end, place.span.modality, chunk, self.stages.encoder_for(chunk.key))
-            for place, chunk in zip(chunk_places(prepared.spans), chunks, strict=True)
+            _Placed(p.start, p.end, p.span.modality, chunks[p.key], self.stages.encoder_for(p.key))
+            for p in chunk_places(prepared.spans)
         ]
 
     async def generate(self, prepared: Prepared) -> AsyncIterator[GenerateChunk]:

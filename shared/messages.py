@@ -110,7 +110,7 @@ class FetchRequest:
 @message
 @dataclass(frozen=True, slots=True)
 class FetchReply:
-    rows: torch.Tensor  # (end - start, hidden)
+    rows: torch.Tensor  # (end - start, feature sets, hidden)
 
 
 @message

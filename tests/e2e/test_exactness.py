@@ -26,7 +26,7 @@ from tests.hf_reference import hf_generate, load
 
 pytestmark = pytest.mark.e2e
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MAX_TOKENS = 16
 
 
