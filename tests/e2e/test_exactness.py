@@ -1,6 +1,6 @@
 """Greedy output of ``mmcache serve`` equals plain transformers on the same checkpoint, token for token.
 
-For both architectures, one server each (module scope), and prompts with no media,
+For every architecture, one server each (module scope), and prompts with no media,
 images (several sizes, formats, an alpha channel), videos (even and odd frame
 counts), several turns, ``data:`` and ``file://`` URLs. The prompt token ids must
 equal the HF processor's ``input_ids`` and the generated ids HF ``generate``'s.
