@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 
-import orjson
 import zmq.asyncio
 from aiohttp import web
 
@@ -19,10 +16,11 @@ from processor.dispatch import Dispatcher
 from processor.errors import APIError, error_body, error_middleware
 from processor.http_fetch import HttpFetcher, parse_networks
 from processor.media_source import MediaSource
-from processor.pipeline import Pipeline, Prepared
+from processor.pipeline import Pipeline
 from processor.preprocess import Preprocessor
 from processor.prompt import PromptBuilder
-from processor.request import ChatRequest, parse_chat_request
+from processor.request import parse_chat_request
+from processor.responses import SSE_DONE, Completion, sse
 from processor.stages import StageClients
 from shared.checkpoint import ModelSpec
 from shared.config import ProcessorConfig, split_list
@@ -151,7 +149,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     pipeline = request.app[PIPELINE]
     prepared = await pipeline.prepare(req)
     detok = Detokenizer(pipeline.prompts.tokenizer, req.stop)
-    completion = _Completion(request.app[MODEL_NAME], req, prepared)
+    completion = Completion(request.app[MODEL_NAME], req, prepared)
     generation = request.app[DISPATCHER].generate(prepared)
     if req.stream:
         return await _stream(request, generation, detok, completion)
@@ -169,7 +167,7 @@ async def _stream(
     request: web.Request,
     generation: AsyncIterator[GenerateChunk],
     detok: Detokenizer,
-    completion: _Completion,
+    completion: Completion,
 ) -> web.StreamResponse:
     # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.
     try:
@@ -179,7 +177,7 @@ async def _stream(
         raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    await _sse(resp, completion.chunk({"role": "assistant", "content": ""}))
+    await sse(resp, completion.chunk({"role": "assistant", "content": ""}))
     try:
         chunk = first
         while chunk is not None:
@@ -189,100 +187,20 @@ async def _stream(
                 completion.finish_reason = "stop"
             text = detok.flush() if completion.finish_reason else detok.safe_delta()
             if text:
-                await _sse(resp, completion.chunk({"content": text}))
+                await sse(resp, completion.chunk({"content": text}))
             if completion.finish_reason:
                 break
             chunk = await anext(generation, None)
-        await _sse(resp, completion.chunk({}, finish=True))
+        await sse(resp, completion.chunk({}, finish=True))
         if completion.req.include_usage:
-            await _sse(resp, completion.usage_chunk())
+            await sse(resp, completion.usage_chunk())
     except APIError as exc:
-        await _sse(resp, error_body(exc.status, exc.message, exc.code))
+        await sse(resp, error_body(exc.status, exc.message, exc.code))
     finally:
         await generation.aclose()
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp
-
-
-async def _sse(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-
-
-class _Completion:
-    """Accumulates one completion's state and renders OpenAI response shapes."""
-
-    def __init__(self, model: str, req: ChatRequest, prepared: Prepared):
-        self.id = "chatcmpl-" + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = model
-        self.req = req
-        self.prepared = prepared
-        self.num_prompt_tokens = len(prepared.token_ids)
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
-        self.finish_reason: str | None = None
-
-    def update(self, chunk) -> None:
-        self.num_output_tokens += len(chunk.token_ids)
-        self.num_cached_tokens = chunk.num_cached_tokens
-        if chunk.finish_reason is not None:
-            self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
-
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.num_output_tokens,
-            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-            "mm_cache": self.prepared.report.as_dict(),
-        }
-
-    def body(self, text: str, token_ids: list[int]) -> dict:
-        choice: dict = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": self.finish_reason or "stop",
-            "logprobs": None,
-        }
-        out = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
-        if self.req.return_token_ids:
-            choice["token_ids"] = token_ids
-            out["prompt_token_ids"] = self.prepared.token_ids
-        return out
-
-    def chunk(self, delta: dict, finish: bool = False) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": delta,
-                    "finish_reason": (self.finish_reason or "stop") if finish else None,
-                    "logprobs": None,
-                }
-            ],
-        }
-
-    def usage_chunk(self) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(),
-        }
 
 
 def run(cfg: ProcessorConfig) -> None:
