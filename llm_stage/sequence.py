@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ class Sequence:
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens) still to copy
+    matcher: Any = None  # llguidance matcher of the request's grammar (fed every sampled token)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +94,8 @@ class Sequence:
     def check_finished(self, token_id: int) -> str | None:
         if token_id in self.stop_ids:
             return "stop"
+        if self.matcher is not None and self.matcher.is_stopped():
+            return "stop"  # the grammar is complete: nothing but the end may follow
         if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -12,6 +12,7 @@ from typing import Any
 import zmq.asyncio
 
 from llm_stage.engine import Engine
+from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.media_fetch import ChunkRef, MediaFetcher, MissingEmbeddings, chunk_refs
 from llm_stage.positions import mrope_positions
 from llm_stage.scheduler import StepOutput
@@ -45,6 +46,7 @@ class LLMService:
         self.engine = engine
         self.fetcher = fetcher
         self.spec = engine.spec
+        self.grammars = GrammarCache(self.spec.path, engine.lm.vocab_size, list(self.spec.eos_token_ids))
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue[StepOutput]] = {}
         self._refs: dict[int, list[ChunkRef]] = {}
@@ -94,6 +96,8 @@ class LLMService:
             "embedding_fetches": fetch.fetches,
             "embedding_rows_fetched": fetch.rows,
             "chunks_skipped": fetch.chunks_skipped,
+            "grammar_compiles": self.grammars.stats.compiles,
+            "grammar_cache_hits": self.grammars.stats.hits,
         }
         return Pong("llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info)
 
@@ -171,6 +175,13 @@ class LLMService:
             await reply.send(ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
             return
         seq = self._sequence(msg)
+        if msg.sampling.grammar is not None:
+            # NOTE: compiled here, before the sequence is submitted: the engine's steps never wait on it.
+            try:
+                seq.matcher = await self.grammars.matcher(msg.sampling.grammar)
+            except GrammarError as exc:
+                await reply.send(ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400))
+                return
         refs = chunk_refs(msg.spans, msg.sources, msg.handoff)
         try:
             missing = await self._prepare(msg, seq, refs)
@@ -264,6 +275,7 @@ class LLMService:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         self.fetcher.close()
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: SamplingParams gained penalties, logit_bias, min_tokens and grammar
 
 _REGISTRY: dict[str, type] = {}
 _TUPLE_FIELDS: dict[type, tuple[str, ...]] = {}  # msgpack has no tuples: restored on decode
