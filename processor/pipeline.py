@@ -114,7 +114,8 @@ class Pipeline:
             media = [await self._media(req.media[0], salt, report)]
         else:
             media = list(await asyncio.gather(*(self._media(ref, salt, report) for ref in req.media)))
-        token_ids, spans = self.prompts.build(req.messages, media)
+        tools = req.tools.functions if req.tools is not None else None
+        token_ids, spans = self.prompts.build(req.messages, media, tools)
         return Prepared(req, token_ids, spans, media, salt, report)
 
     async def _media(self, ref: MediaRef, salt: str | None, report: CacheReport) -> MediaLayout:
