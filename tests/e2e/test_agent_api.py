@@ -358,3 +358,37 @@ def test_forced_tool_calls_validate_and_stream_the_same(client, server, choice, 
         **{**kwargs, "tool_choice": "auto", "max_tokens": 8, "messages": history}
     )
     assert follow.usage.prompt_tokens > out.usage.prompt_tokens
+
+
+# --- LangChain ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_model(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(
+        model=server.model.name,
+        base_url=server.url + "/v1",
+        api_key="x",
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
+        timeout=120,
+    )
+
+
+def test_langchain_bind_tools_with_a_forced_call(chat_model) -> None:
+    bound = chat_model.bind_tools([WEATHER, TIME], tool_choice="get_weather", parallel_tool_calls=False)
+    reply = bound.invoke("Weather in Paris?")
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+
+
+def test_langchain_with_structured_output(chat_model) -> None:
+    town = chat_model.with_structured_output(Town, method="json_schema", strict=True).invoke(
+        "Name a harbor town."
+    )
+    assert isinstance(town, Town)
+    called = chat_model.with_structured_output(Town, method="function_calling").invoke("Name a harbor town.")
+    assert isinstance(called, Town)
