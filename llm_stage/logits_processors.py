@@ -36,38 +36,52 @@ def process(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         grammar_mask(logits, rows, seqs)
 
 
-def _padded(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists as one (rows, longest) tensor, padded with each row's first id, and the mask of
-    real entries."""
-    width = max(len(ids) for ids in lists)
-    ids = torch.tensor([x + [x[0]] * (width - len(x)) for x in lists], dtype=torch.long)
-    lengths = torch.tensor([len(x) for x in lists])
-    real = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-    return ids.to(device), real.to(device)
+def _token_tensor(seq: Sequence) -> torch.Tensor:
+    """``seq.token_ids`` as a tensor, kept on the sequence and extended by the new tokens only (a
+    long prompt is turned into a tensor once, not every step)."""
+    have = seq.token_tensor
+    n = 0 if have is None else have.numel()
+    if n < len(seq.token_ids):
+        new = torch.tensor(seq.token_ids[n:], dtype=torch.long)
+        seq.token_tensor = new if have is None else torch.cat([have, new])
+    return seq.token_tensor
+
+
+def _padded(parts: list[torch.Tensor], pad: int, device: torch.device) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=pad).to(device)
 
 
 def repetition_penalty(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
     """HF's: every token of the prompt and the output has its logit divided by the penalty (multiplied,
     when negative)."""
-    ids, _ = _padded([seqs[r].token_ids for r in rows], logits.device)  # padding repeats a real id
-    penalty = torch.tensor([seqs[r].sampling.repetition_penalty for r in rows], device=logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    sub = logits[index]
-    seen = sub.gather(1, ids)
-    seen = torch.where(seen < 0, seen * penalty.unsqueeze(1), seen / penalty.unsqueeze(1))
-    logits[index] = sub.scatter(1, ids, seen)
+    device, vocab = logits.device, logits.shape[1]
+    # Padding points at an extra column, cut off again after the update.
+    ids = _padded([_token_tensor(seqs[r]) for r in rows], vocab, device)
+    penalty = torch.tensor([seqs[r].sampling.repetition_penalty for r in rows], device=device).unsqueeze(1)
+    index = torch.tensor(rows, device=device)
+    wide = torch.cat([logits[index], logits.new_zeros(len(rows), 1)], dim=1)
+    seen = wide.gather(1, ids)
+    wide.scatter_(1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+    logits[index] = wide[:, :vocab]
 
 
 def presence_frequency_penalty(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
-    """OpenAI's: ``logit -= frequency * count + presence * (count > 0)`` over the generated tokens."""
-    ids, real = _padded([seqs[r].token_ids[seqs[r].num_prompt_tokens :] for r in rows], logits.device)
-    counts = torch.zeros(len(rows), logits.shape[1], device=logits.device)
-    counts.scatter_add_(1, ids, real.to(counts.dtype))
+    """OpenAI's: ``logit -= frequency * count + presence * (count > 0)`` over the generated tokens.
+
+    Worked at the tokens' positions only: each occurrence of a token takes ``frequency`` and its
+    share ``presence / count`` off (a full-vocabulary pass costs more than the whole rest here).
+    """
+    device, vocab = logits.device, logits.shape[1]
+    ids = _padded([_token_tensor(seqs[r])[seqs[r].num_prompt_tokens :] for r in rows], vocab, device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     sp = [seqs[r].sampling for r in rows]
-    frequency = torch.tensor([s.frequency_penalty for s in sp], device=logits.device).unsqueeze(1)
-    presence = torch.tensor([s.presence_penalty for s in sp], device=logits.device).unsqueeze(1)
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] -= frequency * counts + presence * (counts > 0)
+    frequency = torch.tensor([s.frequency_penalty for s in sp], device=device).unsqueeze(1)
+    presence = torch.tensor([s.presence_penalty for s in sp], device=device).unsqueeze(1)
+    index = torch.tensor(rows, device=device)
+    wide = torch.cat([logits[index], logits.new_zeros(len(rows), 1)], dim=1)
+    wide.scatter_add_(1, ids, -(frequency + presence / counts.gather(1, ids)))
+    logits[index] = wide[:, :vocab]
 
 
 def logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:

@@ -55,6 +55,7 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens) still to copy
     matcher: Any = None  # llguidance matcher of the request's grammar (fed every sampled token)
+    token_tensor: torch.Tensor | None = None  # token_ids for the penalties, grown as tokens come
 
     @property
     def num_tokens(self) -> int:
