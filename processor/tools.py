@@ -199,15 +199,13 @@ class ToolStream:
             block_end = end + len(CLOSE)
             if call is None:
                 content.append(self._buf[:block_end])
+                self._buf = self._buf[block_end:]
             else:
-                content.append(self._buf[:at])
+                content.append(self._buf[:at].rstrip("\n"))  # the newlines around blocks are not content
                 calls.append(call)
-            self._buf = self._buf[block_end:]
+                self._buf = self._buf[block_end:].lstrip("\n")
         self.calls += calls
-        text_out = "".join(content)
-        if self.calls:
-            text_out = text_out.strip()  # the newlines around blocks are not content
-        return text_out, calls
+        return "".join(content), calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:
