@@ -107,7 +107,8 @@ def ban_stop_tokens(logits: torch.Tensor, rows: list[int], seqs: list[Sequence])
         row_ids += [r] * len(stops)
         token_ids += stops
     if token_ids:
-        logits[torch.tensor(row_ids), torch.tensor(token_ids)] = float("-inf")
+        device = logits.device
+        logits[torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)] = float("-inf")
 
 
 def grammar_mask(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
