@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -60,6 +61,8 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    matcher: Any = None  # llguidance matcher of the request's grammar (fed every sampled token)
+    token_tensor: torch.Tensor | None = None  # token_ids for the penalties, grown as tokens come
 
     @classmethod
     def new(
@@ -154,6 +157,8 @@ class Sequence:
     def check_finished(self, token_id: int) -> str | None:
         if token_id in self.stop_ids:
             return "stop"
+        if self.matcher is not None and self.matcher.is_stopped():
+            return "stop"  # the grammar is complete: nothing but the end may follow
         if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
             return "length"
         return None

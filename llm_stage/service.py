@@ -15,6 +15,7 @@ from typing import Any
 import zmq
 
 from llm_stage.engine import Engine
+from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.media_fetch import ChunkRef, MediaFetcher, chunk_refs
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import Sequence
@@ -66,6 +67,7 @@ class LLMService:
         self.engine = engine
         self.fetcher = fetcher
         self.spec = engine.spec
+        self.grammars = GrammarCache(self.spec.path, engine.lm.vocab_size, list(self.spec.eos_token_ids))
         self._ids = itertools.count(1)
         self._live: dict[int, _Live] = {}  # seq id → request
         self._by_request: dict[tuple[bytes, int], _Live] = {}  # (peer, request id) → request
@@ -121,6 +123,8 @@ class LLMService:
             "chunks_skipped": fetch.chunks_skipped,
             "repairs": sum(self.repairs.values()),
             **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
+            "grammar_compiles": self.grammars.stats.compiles,
+            "grammar_cache_hits": self.grammars.stats.hits,
         }
         return Pong(
             "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, self.cfg.block_size
@@ -177,6 +181,15 @@ class LLMService:
             await reply.send(ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
             return
         seq = self._sequence(msg)
+        if msg.sampling.grammar is not None:
+            # NOTE: compiled here, before the sequence is submitted: the engine's steps never wait on it.
+            try:
+                seq.matcher = await self.grammars.matcher(msg.sampling.grammar)
+            except GrammarError as exc:
+                if msg.probe_id:
+                    self.engine.release_probe(msg.probe_id)
+                await reply.send(ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400))
+                return
         pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
         live = _Live(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
         key = (reply.identity, reply.rid)
@@ -346,6 +359,7 @@ class LLMService:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         self.fetcher.close()
 
 

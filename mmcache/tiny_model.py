@@ -38,9 +38,27 @@ SPECIAL_TOKENS = (
 
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    # Tools as Qwen2.5 lists them: in the system turn, one JSON signature a line.
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
+    "{{ messages[0]['content'] }}"
+    "{% else %}You are a helpful assistant.{% endif %}{{ '\\n\\n' }}# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' and message['content'] is string %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "{% if loop.first and message['role'] != 'system' and not tools %}<|im_start|>system\n"
     "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}"
@@ -50,16 +68,24 @@ CHAT_TEMPLATE = (
     "{% set video_count.value = video_count.value + 1 %}"
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
     "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% for tool_call in message['tool_calls'] or [] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ call[\'name\'] }}", '
+    "\"arguments\": {{ call['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # Qwen3-VL's template: the same content rendering, but no default system message.
-QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
-    "You are a helpful assistant.<|im_end|>\n{% endif %}",
-    "",
+_DEFAULT_SYSTEM = (
+    "{% if loop.first and message['role'] != 'system' and not tools %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}"
 )
+if _DEFAULT_SYSTEM not in CHAT_TEMPLATE:  # an edit to the template must keep this part findable
+    raise RuntimeError("CHAT_TEMPLATE lost its default system turn")
+QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_DEFAULT_SYSTEM, "")
 
 _SEED = 1234
 _BPE_VOCAB_SIZE = 2000  # trained vocab incl. the 256-symbol byte alphabet; special tokens come after it

@@ -63,12 +63,16 @@ class Dispatcher:
             for p in chunk_places(prepared.spans)
         ]
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[GenerateChunk]:
-        """Stream the chosen LLM replica's replies; leaving early aborts the generation."""
+    async def generate(
+        self, prepared: Prepared, index: int = 0, stream: bool = False
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream the chosen LLM replica's replies for choice ``index`` (``stream``: every step's
+        tokens as they come, even when the client waits for the whole answer); leaving early
+        aborts the generation."""
         ids = torch.tensor(prepared.token_ids, dtype=torch.int32)
         probe = ProbeRequest(ids, prepared.spans, prepared.salt)
         route = await self._guard(self.stages.route(probe, self.timeout))
-        sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len)
+        sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len, index)
         placed = self._placed(prepared)
         needed = [p for p in placed if p.end > route.probe.cached_tokens]
         prepared.report.prefix_skipped = len(placed) - len(needed)
@@ -82,7 +86,7 @@ class Dispatcher:
             salt=prepared.salt,
             probe_id=route.probe.probe_id,
             # Tokens are needed as they come only to stream them or to watch for stop strings.
-            stream=prepared.req.stream or bool(prepared.req.stop),
+            stream=stream or prepared.req.stream or bool(prepared.req.stop),
         )
         try:
             async with route.client.stream(request, timeout=self.timeout) as replies:

@@ -55,8 +55,8 @@ class Prepared:
     held: list[MediaKey] = field(default_factory=list)  # cache entries held until the request ends
 
 
-def sampling_params(req: ChatRequest, prompt_len: int, context: int) -> SamplingParams:
-    """Sampling for the LLM stage; refuses prompts that do not fit the context."""
+def sampling_params(req: ChatRequest, prompt_len: int, context: int, index: int = 0) -> SamplingParams:
+    """Sampling for the LLM stage (of choice ``index``); refuses prompts that do not fit the context."""
     if prompt_len >= context:
         raise bad_request(
             f"prompt is {prompt_len} tokens (media included); the model's context is {context} tokens",
@@ -75,9 +75,16 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int) -> Sampling
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
-        seed=req.seed,
+        # NOTE: choice i of a seeded request draws from seed + i: reproducible, and not n copies.
+        seed=None if req.seed is None else (req.seed + index) % (1 << 63),
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=dict(req.logit_bias),
+        min_tokens=req.min_tokens,
+        grammar=req.grammar,
     )
 
 
@@ -113,7 +120,8 @@ class Pipeline:
                 media = list(
                     await asyncio.gather(*(self._media(ref, salt, report, held) for ref in req.media))
                 )
-            token_ids, spans = self.prompts.build(req.messages, media)
+            tools = req.tools.functions if req.tools is not None else None
+            token_ids, spans = self.prompts.build(req.messages, media, tools)
         except BaseException:
             self._release(held)
             raise

@@ -41,7 +41,7 @@ class PromptBuilder:
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self._encode_piece = lru_cache(maxsize=4096)(self._encode_text)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         for msg in messages:
             parts = msg["content"] if isinstance(msg["content"], list) else [{"text": msg["content"]}]
             for part in parts:
@@ -50,8 +50,16 @@ class PromptBuilder:
                         "message text must not contain the model's media placeholder tokens",
                         "invalid_content",
                     )
+        if tools and "tools" not in self.chat_template:
+            raise bad_request(
+                "this model's chat template has no tool format", "unsupported_parameter", "tools"
+            )
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=[{"type": "function", "function": fn} for fn in tools] if tools else None,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -74,9 +82,11 @@ class PromptBuilder:
     def _encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def build(self, messages: list[dict], media: list[MediaLayout]) -> tuple[list[int], list[MediaSpan]]:
+    def build(
+        self, messages: list[dict], media: list[MediaLayout], tools: list[dict] | None = None
+    ) -> tuple[list[int], list[MediaSpan]]:
         """Prompt token ids with each media placeholder expanded to its tokens, and the spans."""
-        ids = self.encode(self.render(messages))
+        ids = self.encode(self.render(messages, tools))
         by_id = {v: k for k, v in self.pad_ids.items()}
         out: list[int] = []
         spans: list[MediaSpan] = []

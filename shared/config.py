@@ -190,6 +190,9 @@ class ProcessorConfig:
     max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
     torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
+    allowed_origins: str = opt(
+        "", "origins whose web pages may call the API (CORS), comma separated; * for any"
+    )
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
     def __post_init__(self) -> None:

@@ -159,10 +159,28 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Logits processing, all off by default (a request that leaves them off pays nothing).
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF's: prompt and output tokens' logits divided (or times) by it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
+    min_tokens: int = 0  # stop tokens are banned until this many tokens are generated
+    grammar: str | None = None  # llguidance grammar the output must follow
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does anything change the logits before sampling (the grammar is tracked on its own)?"""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @message
