@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from llm_stage.block_manager import BlockManager
 from llm_stage.kv_cache import KVCache, kv_budget_bytes
 from llm_stage.model_runner import ModelRunner
-from llm_stage.sampler import sample
+from llm_stage.sampler import sample_with_logprobs
 from llm_stage.scheduler import RowsWanted, Scheduler, StepOutput
 from llm_stage.sequence import MediaRows, SeqStatus, Sequence
 from llm_stage.text_model import TextLM
@@ -181,7 +181,7 @@ class Engine:
             return result
         try:
             logits = self.runner.run(plan.items)
-            tokens = sample(logits, plan.sampled)
+            tokens, logprobs = sample_with_logprobs(logits, plan.sampled)
         except Exception as exc:
             log.exception("engine step failed; failing its %d sequences", len(plan.items))
             with self.lock:
@@ -191,7 +191,7 @@ class Engine:
             return result
         self.num_steps += 1
         with self.lock:
-            outputs += self.scheduler.postprocess(plan, tokens)
+            outputs += self.scheduler.postprocess(plan, tokens, logprobs)
         return dataclasses.replace(result, computed=True)
 
     def _drain(self) -> list[Command]:

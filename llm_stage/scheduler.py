@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
 from llm_stage.sequence import SeqStatus, Sequence
+from shared.messages import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # of ``token_id``, when the request asks
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,11 +206,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
-        """Advance sequences after a forward; ``tokens`` holds one sample per sampling item, in
-        plan order."""
+    def postprocess(
+        self, plan: StepPlan, tokens: list[int], logprobs: list[TokenLogprobs | None] | None = None
+    ) -> list[StepOutput]:
+        """Advance sequences after a forward; ``tokens`` (and ``logprobs``) hold one sample per
+        sampling item, in plan order."""
         outputs: list[StepOutput] = []
         sampled = iter(tokens)
+        token_lps = iter(logprobs if logprobs is not None else [None] * len(tokens))
         for item in plan.items:
             seq = item.seq
             seq.num_computed_tokens = item.end
@@ -216,17 +221,29 @@ class Scheduler:
                 self.blocks.commit(seq, seq.update_block_hashes(self.blocks.block_size))
             if not item.samples:
                 continue
-            token = next(sampled)
+            token, lp = next(sampled), next(token_lps)
             seq.append_token(token)
             reason = seq.check_finished(token)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(self.output(seq, token))
+            outputs.append(self.output(seq, token, logprobs=lp))
         return outputs
 
-    def output(self, seq: Sequence, token: int | None, error: str | None = None) -> StepOutput:
+    def output(
+        self,
+        seq: Sequence,
+        token: int | None,
+        error: str | None = None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> StepOutput:
         return StepOutput(
-            seq.seq_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, error
+            seq.seq_id,
+            token,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            error,
+            logprobs,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -37,6 +37,7 @@ from shared.messages import (
     Reencoded,
     ReleaseHandoff,
     ReleaseProbe,
+    TokenLogprobs,
 )
 from shared.rpc import Responder
 from shared.service import run_stage
@@ -213,6 +214,7 @@ class LLMService:
 
     async def _stream(self, live: _Live, stream: bool) -> None:
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         while True:
             outs = [await live.queue.get()]
             while not live.queue.empty():
@@ -223,13 +225,16 @@ class LLMService:
                 await live.reply.send(error)
                 return
             tokens += [o.token_id for o in outs if o.token_id is not None]
+            logprobs += [o.logprobs for o in outs if o.logprobs is not None]
             if not stream and last.finish_reason is None:
                 continue  # one message at the end instead of one per step
-            chunk = GenerateChunk(tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens)
+            chunk = GenerateChunk(
+                tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs
+            )
             await live.reply.send(chunk, final=last.finish_reason is not None)
             if last.finish_reason is not None:
                 return
-            tokens = []
+            tokens, logprobs = [], []
 
     # --- media rows -----------------------------------------------------------------------
 

@@ -194,7 +194,7 @@ async def _stream(
             if choice.finish_reason is None:
                 choice.update(item[1])
                 delta = choice.delta()
-                if delta:
+                if delta or choice.pending_logprobs:
                     await sse(resp, completion.chunk(choice, delta))
                 if choice.finish_reason is not None:
                     await sse(resp, completion.chunk(choice, {}, finish=True))
