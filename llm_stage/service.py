@@ -126,6 +126,7 @@ class LLMService:
             **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
             "grammar_compiles": self.grammars.stats.compiles,
             "grammar_cache_hits": self.grammars.stats.hits,
+            **self.engine.memory_info(),
         }
         return Pong(
             "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, self.cfg.block_size
@@ -215,6 +216,7 @@ class LLMService:
     async def _stream(self, live: _Live, stream: bool) -> None:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs] = []
+        prompt: list[TokenLogprobs | None] | None = None
         while True:
             outs = [await live.queue.get()]
             while not live.queue.empty():
@@ -226,15 +228,16 @@ class LLMService:
                 return
             tokens += [o.token_id for o in outs if o.token_id is not None]
             logprobs += [o.logprobs for o in outs if o.logprobs is not None]
+            prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
             if not stream and last.finish_reason is None:
                 continue  # one message at the end instead of one per step
             chunk = GenerateChunk(
-                tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs
+                tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
             )
             await live.reply.send(chunk, final=last.finish_reason is not None)
             if last.finish_reason is not None:
                 return
-            tokens, logprobs = [], []
+            tokens, logprobs, prompt = [], [], None
 
     # --- media rows -----------------------------------------------------------------------
 
