@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 
 import pytest
+from openai import OpenAI
 
 from tests import media
 from tests.e2e.server import Server
@@ -155,3 +156,20 @@ def test_partial_hit_inside_an_image(small_kv, uncached) -> None:
     same(first, reference)
     same(again, reference)
     matches_hf(small_kv, messages, again)
+
+
+def test_streamed_prompt_logprobs_come_once_and_equal_the_answer(cached) -> None:
+    messages = CASES["one_image"]()
+    whole = ok(cached, body(cached, messages))
+    with OpenAI(base_url=cached.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        stream = client.chat.completions.create(
+            model=cached.model.name,
+            messages=messages,
+            temperature=0,
+            max_tokens=2,
+            stream=True,
+            extra_body={"prompt_logprobs": K},
+        )
+        got = [c.model_extra["prompt_logprobs"] for c in stream if c.model_extra.get("prompt_logprobs")]
+    assert len(got) == 1
+    same({**whole, "prompt_logprobs": got[0]}, whole)
