@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from llm_stage.attention import AttentionBackend, SdpaBackend
 from llm_stage.block_manager import BlockCopy
 from llm_stage.kv_cache import KVCache
-from llm_stage.prompt_logprobs import score
-from llm_stage.scheduler import Scored, StepItem
+from llm_stage.prompt_logprobs import Scored, score
+from llm_stage.scheduler import StepItem
 from llm_stage.text_model import LayerWeights, TextLM, qk_norm_
 from llm_stage.visual_rows import VisualRows
 

@@ -16,9 +16,12 @@ which are about sampling the answer), as vLLM's are.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llm_stage.logprobs import FLOOR, MAX_LOGPROBS
+from llm_stage.sequence import Sequence
 from shared.messages import TokenLogprobs
 
 K_MAX = MAX_LOGPROBS
@@ -61,6 +64,16 @@ class PromptLogprobStore:
 
     def forget(self, block_id: int) -> None:
         self.has[block_id] = False
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """Prompt logprob entries of ``seq``'s tokens ``[start, start + len(ids))`` computed this step."""
+
+    seq: Sequence
+    start: int
+    ids: torch.Tensor  # (tokens, 1 + K_MAX)
+    values: torch.Tensor
 
 
 def score(lm, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

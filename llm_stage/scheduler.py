@@ -25,10 +25,9 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from llm_stage import prompt_logprobs as plp
+from llm_stage import prompt_logprob_blocks as scoring
 from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
+from llm_stage.prompt_logprobs import Scored
 from llm_stage.sequence import SeqStatus, Sequence
 from shared.messages import TokenLogprobs
 
@@ -67,16 +66,6 @@ class RowsWanted:
 
     seq: Sequence
     ranges: list[tuple[int, int]]
-
-
-@dataclass(frozen=True, slots=True)
-class Scored:
-    """Prompt logprob entries of ``seq``'s tokens ``[start, start + len(ids))`` computed this step."""
-
-    seq: Sequence
-    start: int
-    ids: torch.Tensor  # (tokens, 1 + K_MAX), see llm_stage.prompt_logprobs
-    values: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -184,7 +173,7 @@ class Scheduler:
         if copy is not None:
             plan.copies.append(copy)
         if seq.wants_prompt_logprobs:
-            self._start_prompt_logprobs(seq, match)
+            scoring.start(seq, self.blocks, match)
         seq.status = SeqStatus.RUNNING
         if seq.num_preemptions == 0:
             self.blocks.stats.queries += seq.num_prompt_tokens
@@ -205,38 +194,7 @@ class Scheduler:
         hashes = seq.update_block_hashes(self.blocks.block_size)
         if not seq.wants_prompt_logprobs:
             return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.num_tokens - 1)
-        if self.blocks.logprobs is None:
-            return PrefixMatch([])  # no store: every prompt token's logits are computed
-        match = self.blocks.match_prefix(
-            hashes, seq.token_ids, seq.spans, seq.num_tokens - 1, with_logprobs=True
-        )
-        return _back_off(match, self.blocks.block_size)
-
-    def _start_prompt_logprobs(self, seq: Sequence, match: PrefixMatch) -> None:
-        """Entries of the cached tokens, up to and with the first one computed (its entry comes
-        from the cached token before it), read from the blocks that carry them."""
-        if seq.plp_ids is None:
-            shape = (seq.num_prompt_tokens, 1 + plp.K_MAX)
-            seq.plp_ids = torch.zeros(shape, dtype=torch.int32)
-            seq.plp_values = torch.zeros(shape, dtype=torch.float32)
-        start = seq.num_computed_tokens
-        if start and self.blocks.logprobs is not None:
-            # NOTE: read at once: a source dropped by allocate() keeps its contents until reused.
-            ids, values = self.blocks.logprobs.read(match.held(), start + 1)
-            seq.plp_ids[: start + 1] = ids
-            seq.plp_values[: start + 1] = values
-
-    def _store_prompt_logprobs(self, seq: Sequence) -> None:
-        """Write the entries of ``seq``'s full prompt blocks that are about to be committed."""
-        store, size = self.blocks.logprobs, self.blocks.block_size
-        if store is None or seq.plp_ids is None:
-            return
-        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // size
-        for i in range(seq.num_committed_blocks, full):
-            block_id = seq.block_table[i]
-            if self.blocks.blocks[block_id].block_hash is None:  # not a shared, cached block
-                rows = slice(i * size, (i + 1) * size)
-                store.write(block_id, seq.plp_ids[rows], seq.plp_values[rows])
+        return scoring.match_with_logprobs(self.blocks, seq, hashes)
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for ``seq``'s first ``num_tokens``, preempting newer sequences if needed."""
@@ -279,26 +237,18 @@ class Scheduler:
             seq.num_computed_tokens = item.end
             if self.blocks.enable_caching:
                 if seq.wants_prompt_logprobs:
-                    self._store_prompt_logprobs(seq)
+                    scoring.store(seq, self.blocks)
                 self.blocks.commit(seq, seq.update_block_hashes(self.blocks.block_size))
             if not item.samples:
                 continue
             token, lp = next(sampled), next(token_lps)
-            prompt = self._take_prompt_logprobs(seq) if seq.wants_prompt_logprobs else None
+            prompt = scoring.take(seq) if seq.wants_prompt_logprobs else None
             seq.append_token(token)
             reason = seq.check_finished(token)
             if reason is not None:
                 self._finish(seq, reason)
             outputs.append(dataclasses.replace(self.output(seq, token, logprobs=lp), prompt_logprobs=prompt))
         return outputs
-
-    @staticmethod
-    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None]:
-        """The prompt's entries, once (they go out with the first token; the rows are let go)."""
-        out = plp.entries(seq.plp_ids, seq.plp_values, seq.sampling.prompt_logprobs or 0)
-        seq.plp_ids = seq.plp_values = None
-        seq.plp_sent = True
-        return out
 
     def output(
         self,
@@ -323,14 +273,3 @@ class Scheduler:
             self.blocks.free_seq(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-
-
-def _back_off(match: PrefixMatch, block_size: int) -> PrefixMatch:
-    """``match`` less its last token, which is computed again: the first prompt logprob computed
-    comes from its logits. The last cached block becomes a shared start (its KV copied but one
-    slot); the blocks read for the cached entries are still ``match.held()``, in order."""
-    if match.partial is not None and match.partial[1] >= 2:
-        return PrefixMatch(match.blocks, (match.partial[0], match.partial[1] - 1))
-    if not match.blocks:
-        return PrefixMatch([])
-    return PrefixMatch(match.blocks[:-1], (match.blocks[-1], block_size - 1))

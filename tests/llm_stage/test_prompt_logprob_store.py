@@ -8,8 +8,9 @@ import dataclasses
 import torch
 
 from llm_stage.block_manager import BlockManager, PrefixMatch
+from llm_stage.prompt_logprob_blocks import back_off
 from llm_stage.prompt_logprobs import K_MAX, PromptLogprobStore, entries
-from llm_stage.scheduler import Scheduler, _back_off
+from llm_stage.scheduler import Scheduler
 from tests.llm_stage.test_block_manager import B, make_seq
 
 PROMPT = list(range(1, 11))  # 2 full blocks + 2 tokens
@@ -67,10 +68,10 @@ def test_a_block_with_entries_becomes_canonical_and_reuse_forgets_them() -> None
 
 
 def test_back_off_computes_the_last_cached_token_again() -> None:
-    assert _back_off(PrefixMatch([3, 4]), B) == PrefixMatch([3], (4, B - 1))
-    assert _back_off(PrefixMatch([3], (7, 3)), B) == PrefixMatch([3], (7, 2))
-    assert _back_off(PrefixMatch([3], (7, 1)), B) == PrefixMatch([], (3, B - 1))
-    assert _back_off(PrefixMatch([]), B) == PrefixMatch([])
+    assert back_off(PrefixMatch([3, 4]), B) == PrefixMatch([3], (4, B - 1))
+    assert back_off(PrefixMatch([3], (7, 3)), B) == PrefixMatch([3], (7, 2))
+    assert back_off(PrefixMatch([3], (7, 1)), B) == PrefixMatch([], (3, B - 1))
+    assert back_off(PrefixMatch([]), B) == PrefixMatch([])
 
 
 def test_admission_reads_the_cached_entries_through_the_first_computed_token() -> None:
