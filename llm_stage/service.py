@@ -75,7 +75,7 @@ class LLMService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self.repairs: Counter[str] = Counter()  # by cause
+        self.repairs: Counter[str] = Counter()  # mid-request repairs, by cause (any chunk unreachable)
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -286,11 +286,11 @@ class LLMService:
             self.engine.fail(live.seq, message)
             return False
         live.repairs += 1
-        self.repairs.update(causes)
+        cause = "unreachable" if "unreachable" in causes else "missing"
+        self.repairs[cause] += 1
         log.info("sequence %d: re-encoding %d chunk(s) (%s)", live.seq.seq_id, len(lost), dict(causes))
         live.reencoded = asyncio.get_running_loop().create_future()
         try:
-            cause = "unreachable" if "unreachable" in causes else "missing"
             await live.reply.send(NeedEncode(list(lost), cause), final=False)
             async with asyncio.timeout(self.cfg.repair_timeout):
                 done = await live.reencoded
