@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,6 +14,8 @@ import zmq.asyncio
 
 from llm_stage.engine import Engine
 from llm_stage.media_fetch import ChunkRef, MediaFetcher, MissingEmbeddings, chunk_refs
+from llm_stage.metrics import LLMMetrics
+from llm_stage.model_runner import KVCache
 from llm_stage.positions import mrope_positions
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import Sequence
@@ -33,6 +36,7 @@ from shared.messages import (
     ReleaseHandoff,
     ReleaseProbe,
 )
+from shared.metrics import MetricsServer
 from shared.rpc import RemoteError, Responder
 from shared.service import run_stage
 
@@ -53,6 +57,9 @@ class LLMService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self._block_bytes = KVCache.bytes_per_block(engine.lm, cfg.block_size, engine.dtype)
+        self.metrics = LLMMetrics(self.stats)
+        self.metrics_server: MetricsServer | None = None
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -79,22 +86,38 @@ class LLMService:
                 ErrorReply("bad_message", f"llm stage does not handle {type(msg).__name__}", 400)
             )
 
-    def pong(self) -> Pong:
-        stats, fetch = self.engine.blocks.stats, self.fetcher.stats
-        info = {
-            "max_model_len": self.engine.max_model_len,
-            "block_size": self.cfg.block_size,
-            "prefix_cache": int(self.cfg.prefix_cache),
-            "prefix_queries": stats.queries,
-            "prefix_hits": stats.hits,
-            "evictions": stats.evictions,
-            "preemptions": self.engine.scheduler.num_preemptions,
+    def stats(self) -> dict[str, int | float]:
+        """This replica's numbers (read by the metrics thread: ints and lengths only)."""
+        blocks, fetch, scheduler = self.engine.blocks, self.fetcher.stats, self.engine.scheduler
+        total = len(blocks.blocks)
+        used = total - blocks.num_free_blocks
+        return {
+            "prefix_queries": blocks.stats.queries,
+            "prefix_hits": blocks.stats.hits,
+            "evictions": blocks.stats.evictions,
+            "preemptions": scheduler.num_preemptions,
             "steps": self.engine.num_steps,
-            "free_blocks": self.engine.blocks.num_free_blocks,
+            "free_blocks": total - used,
+            "used_blocks": used,
+            "kv_usage": used / total if total else 0.0,
+            "kv_bytes": used * self._block_bytes,
+            "kv_capacity_bytes": total * self._block_bytes,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting) + len(scheduler.starving),
             "embedding_fetches": fetch.fetches,
             "embedding_rows_fetched": fetch.rows,
             "chunks_skipped": fetch.chunks_skipped,
         }
+
+    def pong(self) -> Pong:
+        info = {
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.cfg.block_size,
+            "prefix_cache": int(self.cfg.prefix_cache),
+            **self.stats(),
+        }
+        if self.metrics_server is not None and self.metrics_server.port is not None:
+            info["metrics_port"] = self.metrics_server.port
         return Pong("llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info)
 
     # --- probe ----------------------------------------------------------------------------
@@ -153,15 +176,19 @@ class LLMService:
         for source in {r.source for r in skipped}:
             keys = [r.key for r in skipped if r.source == source]
             await self.fetcher.client(source).notify(ReleaseHandoff(keys))
+        started, fetches = time.perf_counter(), self.fetcher.stats.fetches
         try:
             seq.media = await self.fetcher.fetch(seq, refs, cached, seq.num_prompt_tokens)
         except MissingEmbeddings as exc:
             self.engine.drop(seq)
             return exc.keys
         seq.rows_floor = cached
+        if self.fetcher.stats.fetches > fetches:
+            self.metrics.fetched(time.perf_counter() - started)
         return []
 
     async def _generate(self, msg: GenerateRequest, reply: Responder) -> None:
+        arrived = time.perf_counter()
         try:
             validate(msg, self.spec, self.engine.lm, self.engine.max_model_len)
         except RequestError as exc:
@@ -182,8 +209,10 @@ class LLMService:
             self.engine.drop(seq)
             raise
         if missing:
+            self.metrics.repairs.labels("need_encode").inc()
             await reply.send(NeedEncode(missing))
             return
+        self.metrics.track(seq, arrived)
         await self._stream(seq, refs, reply, msg.stream)
 
     async def _stream(self, seq: Sequence, refs: list[ChunkRef], reply: Responder, stream: bool) -> None:
@@ -217,6 +246,7 @@ class LLMService:
                     return
                 tokens = []
         finally:
+            self.metrics.forget(seq.seq_id)
             self._streams.pop(seq.seq_id, None)
             self._refs.pop(seq.seq_id, None)
             self._by_request.pop(key, None)
@@ -237,7 +267,9 @@ class LLMService:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            started = time.perf_counter()
             outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            self.metrics.step(started, time.perf_counter(), outputs)
             for out in outputs:
                 queue = self._streams.get(out.seq_id)
                 if queue is not None:
@@ -249,6 +281,7 @@ class LLMService:
 
     async def _refetch(self, seq: Sequence) -> None:
         """A preempted sequence lost part of its cached prefix: fetch every media row it skipped."""
+        self.metrics.repairs.labels("preempted_prefix").inc()
         try:
             rows = await self.fetcher.fetch(seq, self._refs.get(seq.seq_id, []), 0, seq.rows_floor)
         except Exception as exc:
@@ -265,6 +298,8 @@ class LLMService:
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
 
 def run(cfg: LLMConfig) -> None:
@@ -274,6 +309,7 @@ def run(cfg: LLMConfig) -> None:
         engine = Engine(cfg, spec)
         fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size)
         service = LLMService(cfg, engine, fetcher)
+        service.metrics_server = MetricsServer(service.metrics.registry, cfg.metrics_port)
         return service.handle, service.quick, service.close
 
-    run_stage("llm", cfg.bind, cfg.torch_threads, make)
+    run_stage("llm", cfg.bind, cfg.torch_threads, make, cfg.log_format)

@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import orjson
 import zmq.asyncio
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from processor.body import load_body
 from processor.detokenizer import Detokenizer
@@ -19,14 +19,17 @@ from processor.dispatch import Dispatcher
 from processor.errors import APIError, error_body, error_middleware
 from processor.http_fetch import HttpFetcher, parse_networks
 from processor.media_source import MediaSource
+from processor.metrics import ProcessorMetrics
 from processor.pipeline import Pipeline, Prepared
 from processor.preprocess import Preprocessor
 from processor.prompt import PromptBuilder
 from processor.request import ChatRequest, parse_chat_request
+from processor.request_log import RECORD, RequestRecord, request_middleware
 from processor.stages import StageClients
 from shared.checkpoint import ModelSpec
 from shared.config import ProcessorConfig, split_list
 from shared.messages import GenerateChunk
+from shared.metrics import metrics_url
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +39,25 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 STAGES = web.AppKey("stages", StageClients)
 MODEL_NAME = web.AppKey("model_name", str)
 SLOTS = web.AppKey("slots", asyncio.Semaphore)
+METRICS = web.AppKey("metrics", ProcessorMetrics)
 SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM
 
 
 def init(cfg: ProcessorConfig) -> web.Application:
     """Build the app; stage clients and the media fetcher live as long as the app (cleanup_ctx)."""
     spec = ModelSpec.load(cfg.model)
-    app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[error_middleware])
+    registry = ProcessorMetrics()
+
+    def request_done(record: RequestRecord) -> None:
+        registry.observe(record)
+        if PIPELINE in app:
+            registry.sync(_stats(app))
+
+    app = web.Application(
+        client_max_size=cfg.max_request_bytes,
+        middlewares=[error_middleware, request_middleware(request_done)],
+    )
+    app[METRICS] = registry
     app[CONFIG] = cfg
     app[MODEL_NAME] = cfg.served_model_name or spec.name
     app[SLOTS] = asyncio.Semaphore(cfg.max_concurrent_requests)
@@ -83,11 +98,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Each stage replica, whether it answers, and where Prometheus scrapes it."""
     encoders, llms = await request.app[STAGES].health()
     stages = [*(("encoder", h) for h in encoders), *(("llm", h) for h in llms)]
     ok = all(h.pong is not None for _, h in stages)
     body = {
         "status": "ok" if ok else "unavailable",
+        "metrics_url": str(request.url.with_path("/metrics").with_query(None)),
         "stages": [
             {
                 "stage": kind,
@@ -95,6 +112,7 @@ async def health(request: web.Request) -> web.Response:
                 "ok": h.pong is not None,
                 "error": h.error,
                 "load": h.pong.load if h.pong else None,
+                "metrics_url": metrics_url(h.address, h.pong.info.get("metrics_port")) if h.pong else None,
             }
             for kind, h in stages
         ],
@@ -102,40 +120,29 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ok else 503)
 
 
+def _stats(app: web.Application) -> dict:
+    return {**app[PIPELINE].stats(), **app[DISPATCHER].stats()}
+
+
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text: the processor's own counters, then each stage replica's (from its Pong)."""
-    cache = request.app[PIPELINE].cache
-    lines = [
-        f"mmcache_processor_file_reads_total {request.app[PIPELINE].source.file_reads}",
-        f"mmcache_processor_cache_hits_total {cache.stats.hits}",
-        f"mmcache_processor_cache_misses_total {cache.stats.misses}",
-        f"mmcache_processor_decodes_total {cache.stats.decodes}",
-        f"mmcache_processor_cache_evictions_total {cache.stats.evictions}",
-        f"mmcache_processor_cache_bytes {cache.nbytes}",
-        f"mmcache_processor_cache_capacity_bytes {cache.capacity}",
-        f"mmcache_processor_cache_entries {len(cache)}",
-        f"mmcache_processor_repairs_total {request.app[DISPATCHER].num_repairs}",
-    ]
-    encoders, llms = await request.app[STAGES].health()
-    for stage, replicas in (("encoder", encoders), ("llm", llms)):
-        for h in replicas:
-            label = f'{{address="{h.address}"}}'
-            lines.append(f"mmcache_{stage}_up{label} {int(h.pong is not None)}")
-            if h.pong is None:
-                continue
-            lines.append(f"mmcache_{stage}_load{label} {h.pong.load}")
-            for name, value in sorted(h.pong.info.items()):
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    lines.append(f"mmcache_{stage}_{name}{label} {value}")
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    """This processor's metrics (every worker's, in multiprocess mode); each stage replica serves
+    its own on its metrics port (see /health)."""
+    registry = request.app[METRICS]
+    registry.sync(_stats(request.app))
+    return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     slots = request.app[SLOTS]
     if slots.locked():
         raise APIError(503, "too many requests in progress, retry later", "overloaded")
+    running = request.app[METRICS].running
     async with slots:
-        return await _chat_completions(request)
+        running.inc()
+        try:
+            return await _chat_completions(request)
+        finally:
+            running.dec()
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -148,21 +155,27 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
+    record = request[RECORD]
+    record.stream = req.stream
+    record.set_salt(req.cache_salt)
     pipeline = request.app[PIPELINE]
     prepared = await pipeline.prepare(req)
     detok = Detokenizer(pipeline.prompts.tokenizer, req.stop)
-    completion = _Completion(request.app[MODEL_NAME], req, prepared)
+    completion = _Completion(request.app[MODEL_NAME], req, prepared, record.id)
     generation = request.app[DISPATCHER].generate(prepared)
-    if req.stream:
-        return await _stream(request, generation, detok, completion)
-    async with contextlib.aclosing(generation):
-        async for chunk in generation:
-            completion.update(chunk)
-            detok.add(chunk.token_ids)
-            if detok.stopped:
-                completion.finish_reason = "stop"
-                break
-    return web.json_response(completion.body(detok.flush(), detok.token_ids))
+    try:
+        if req.stream:
+            return await _stream(request, generation, detok, completion)
+        async with contextlib.aclosing(generation):
+            async for chunk in generation:
+                completion.update(chunk)
+                detok.add(chunk.token_ids)
+                if detok.stopped:
+                    completion.finish_reason = "stop"
+                    break
+        return web.json_response(completion.body(detok.flush(), detok.token_ids))
+    finally:
+        completion.fill(record)
 
 
 async def _stream(
@@ -177,6 +190,7 @@ async def _stream(
     except BaseException:
         await generation.aclose()
         raise
+    record = request[RECORD]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     await _sse(resp, completion.chunk({"role": "assistant", "content": ""}))
@@ -190,6 +204,8 @@ async def _stream(
             text = detok.flush() if completion.finish_reason else detok.safe_delta()
             if text:
                 await _sse(resp, completion.chunk({"content": text}))
+                if record.first_token is None:
+                    record.first_token = time.perf_counter()
             if completion.finish_reason:
                 break
             chunk = await anext(generation, None)
@@ -197,6 +213,7 @@ async def _stream(
         if completion.req.include_usage:
             await _sse(resp, completion.usage_chunk())
     except APIError as exc:
+        record.code = exc.code  # the status went out as 200 before the stage failed
         await _sse(resp, error_body(exc.status, exc.message, exc.code))
     finally:
         await generation.aclose()
@@ -212,8 +229,8 @@ async def _sse(resp: web.StreamResponse, payload: dict) -> None:
 class _Completion:
     """Accumulates one completion's state and renders OpenAI response shapes."""
 
-    def __init__(self, model: str, req: ChatRequest, prepared: Prepared):
-        self.id = "chatcmpl-" + uuid.uuid4().hex
+    def __init__(self, model: str, req: ChatRequest, prepared: Prepared, completion_id: str):
+        self.id = completion_id
         self.created = int(time.time())
         self.model = model
         self.req = req
@@ -228,6 +245,13 @@ class _Completion:
         self.num_cached_tokens = chunk.num_cached_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
+
+    def fill(self, record: RequestRecord) -> None:
+        """Copy this completion's numbers into its request-log record."""
+        record.prompt_tokens = self.num_prompt_tokens
+        record.cached_tokens = self.num_cached_tokens
+        record.completion_tokens = self.num_output_tokens
+        record.mm_cache = self.prepared.report.as_dict()
 
     def usage(self) -> dict:
         return {
@@ -286,10 +310,12 @@ class _Completion:
 
 
 def run(cfg: ProcessorConfig) -> None:
-    from shared.service import setup_logging
+    from shared.logs import setup_logging
+    from shared.metrics import setup_metrics
     from shared.torch_utils import set_threads
 
-    setup_logging("processor")
+    setup_logging("processor", cfg.log_format)
+    setup_metrics()
     set_threads(cfg.torch_threads)
     web.run_app(
         init(cfg),

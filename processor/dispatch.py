@@ -55,6 +55,9 @@ class Dispatcher:
         self.timeout = timeout
         self.num_repairs = 0  # generate attempts answered with NeedEncode
 
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {"repairs": {"need_encode": self.num_repairs}}
+
     def _placed(self, prepared: Prepared) -> list[_Placed]:
         out = []
         for span, layout in zip(prepared.spans, prepared.media, strict=True):

@@ -11,16 +11,13 @@ from collections.abc import Awaitable, Callable
 
 import zmq.asyncio
 
+from shared.logs import setup_logging
+from shared.metrics import setup_metrics
 from shared.rpc import Handler, QuickHandler, RpcServer
 
 log = logging.getLogger(__name__)
 
 Closer = Callable[[], None]
-
-
-def setup_logging(stage: str) -> None:
-    level = os.environ.get("MMCACHE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s {stage} %(levelname)s %(name)s: %(message)s")
 
 
 async def serve(
@@ -54,10 +51,11 @@ async def serve(
     ctx.destroy(linger=0)
 
 
-def run_stage(name: str, bind: str, torch_threads: int, make_handler) -> None:
+def run_stage(name: str, bind: str, torch_threads: int, make_handler, log_format: str = "text") -> None:
     """The body of ``mmcache encoder|llm``: logging, CPU threads, then :func:`serve` until a signal."""
     from shared.torch_utils import set_threads
 
-    setup_logging(name)
+    setup_logging(name, log_format)
+    setup_metrics()
     set_threads(torch_threads)
     asyncio.run(serve(name, bind, make_handler))
