@@ -46,18 +46,18 @@ SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM
 def init(cfg: ProcessorConfig) -> web.Application:
     """Build the app; stage clients and the media fetcher live as long as the app (cleanup_ctx)."""
     spec = ModelSpec.load(cfg.model)
-    registry = ProcessorMetrics()
+    observed = ProcessorMetrics()
 
     def request_done(record: RequestRecord) -> None:
-        registry.observe(record)
+        observed.observe(record)
         if PIPELINE in app:
-            registry.sync(_stats(app))
+            observed.sync(_stats(app))
 
     app = web.Application(
         client_max_size=cfg.max_request_bytes,
         middlewares=[error_middleware, request_middleware(request_done)],
     )
-    app[METRICS] = registry
+    app[METRICS] = observed
     app[CONFIG] = cfg
     app[MODEL_NAME] = cfg.served_model_name or spec.name
     app[SLOTS] = asyncio.Semaphore(cfg.max_concurrent_requests)
@@ -127,9 +127,9 @@ def _stats(app: web.Application) -> dict:
 async def metrics(request: web.Request) -> web.Response:
     """This processor's metrics (every worker's, in multiprocess mode); each stage replica serves
     its own on its metrics port (see /health)."""
-    registry = request.app[METRICS]
-    registry.sync(_stats(request.app))
-    return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    observed = request.app[METRICS]
+    observed.sync(_stats(request.app))
+    return web.Response(body=observed.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
