@@ -51,7 +51,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
     def request_done(record: RequestRecord) -> None:
         observed.observe(record)
         if PIPELINE in app:
-            observed.sync(_stats(app))
+            observed.request_done(lambda: _stats(app))
 
     app = web.Application(
         client_max_size=cfg.max_request_bytes,

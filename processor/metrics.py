@@ -1,16 +1,21 @@
 """The processor's Prometheus metrics (``mmcache_processor_*``), served on its own ``/metrics``.
 
+Numbers the components keep as plain ints (cache hits, evictions, ...) are copied into
+counters by :meth:`ProcessorMetrics.sync` when this worker is scraped.
+
 Multiprocess-safe: with ``PROMETHEUS_MULTIPROC_DIR`` set (several workers on one port), every
 worker writes its values to files there and a scrape of any worker sums all of them
-(prometheus_client's multiprocess mode). Numbers the components keep as plain ints (cache
-hits, evictions, ...) are copied into counters by :meth:`ProcessorMetrics.sync` at the end of
-each request and at each scrape, so that a worker's files are current without a scrape of it.
+(prometheus_client's multiprocess mode). A worker that is not the one scraped must keep its
+files current on its own: it syncs after a request, at most once per :data:`SYNC_SECONDS`
+(a request in between is synced that long after).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -20,6 +25,9 @@ from shared.metrics import LATENCY_BUCKETS
 
 # Gauges of one worker add up to the whole (each worker has its own cache); dead workers drop out.
 _SUM = "livesum"
+SYNC_SECONDS = 1.0
+
+StatsFn = Callable[[], Mapping[str, "float | Mapping[str, float]"]]
 
 
 class ProcessorMetrics:
@@ -87,6 +95,8 @@ class ProcessorMetrics:
             ),
         }
         self._last: dict[tuple[str, str | None], float] = {}
+        self._next_sync = 0.0
+        self._sync_pending: asyncio.TimerHandle | None = None
 
     def observe(self, record: RequestRecord) -> None:
         """One finished request."""
@@ -97,6 +107,22 @@ class ProcessorMetrics:
         self.prompt_tokens.inc(record.prompt_tokens)
         self.cached_tokens.inc(record.cached_tokens)
         self.completion_tokens.inc(record.completion_tokens)
+
+    def request_done(self, stats: StatsFn) -> None:
+        """After a request (on the event loop): keep this worker's files current when several
+        workers share them; a single worker syncs only when scraped."""
+        if self.multiprocess_dir is None or self._sync_pending is not None:
+            return
+        wait = self._next_sync - time.monotonic()
+        if wait <= 0:
+            self._sync_now(stats)
+        else:
+            self._sync_pending = asyncio.get_running_loop().call_later(wait, self._sync_now, stats)
+
+    def _sync_now(self, stats: StatsFn) -> None:
+        self._sync_pending = None
+        self._next_sync = time.monotonic() + SYNC_SECONDS
+        self.sync(stats())
 
     def sync(self, stats: Mapping[str, float | Mapping[str, float]]) -> None:
         """Bring counters and gauges up to the components' ``stats()`` numbers."""

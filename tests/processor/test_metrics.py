@@ -3,6 +3,7 @@ is scraped reports every worker's requests, and the request log's text format.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import subprocess
@@ -12,6 +13,7 @@ import textwrap
 from prometheus_client import multiprocess
 
 from mmcache.scrape import Samples
+from processor import metrics as metrics_module
 from processor.metrics import ProcessorMetrics
 from processor.request_log import RequestRecord
 from shared.logs import TextFormatter
@@ -72,26 +74,47 @@ def test_any_worker_reports_every_workers_numbers(tmp_path, monkeypatch):
     assert after.total("mmcache_processor_requests_total") == 2  # counters keep what dead workers did
 
 
+STATS = {
+    "cache_hits": 2,
+    "cache_misses": 1,
+    "cache_evictions": 0,
+    "decodes": 1,
+    "file_reads": 0,
+    "bytes_fetched": {"data": 10},
+    "repairs": {"need_encode": 1},
+    "cache_bytes": 5,
+    "cache_capacity_bytes": 50,
+    "cache_entries": 1,
+}
+
+
 def test_sync_advances_counters_by_the_difference_only():
     m = ProcessorMetrics()
-    stats = {
-        "cache_hits": 2,
-        "cache_misses": 1,
-        "cache_evictions": 0,
-        "decodes": 1,
-        "file_reads": 0,
-        "bytes_fetched": {"data": 10},
-        "repairs": {"need_encode": 1},
-        "cache_bytes": 5,
-        "cache_capacity_bytes": 50,
-        "cache_entries": 1,
-    }
-    m.sync(stats)
-    m.sync({**stats, "cache_hits": 7, "repairs": {"need_encode": 3}})
+    m.sync(STATS)
+    m.sync({**STATS, "cache_hits": 7, "repairs": {"need_encode": 3}})
     s = Samples.parse(m.render().decode())
     assert s.total("mmcache_processor_cache_hits_total") == 7
     assert s.total("mmcache_processor_repairs_total", cause="need_encode") == 3
     assert s.total("mmcache_processor_cache_capacity_bytes") == 50
+
+
+async def test_a_worker_of_several_syncs_after_requests_at_most_once_per_interval(monkeypatch, tmp_path):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(metrics_module, "SYNC_SECONDS", 0.2)
+    m = ProcessorMetrics()
+    calls: list[int] = []
+
+    def stats():
+        calls.append(1)
+        return {**STATS, "cache_hits": len(calls)}
+
+    m.request_done(stats)
+    assert len(calls) == 1  # the first request syncs at once
+    m.request_done(stats)
+    m.request_done(stats)
+    assert len(calls) == 1  # the next ones within the interval wait ...
+    await asyncio.sleep(0.4)
+    assert len(calls) == 2  # ... for one deferred sync, which does come
 
 
 def test_text_log_lines_carry_the_fields_as_key_value_pairs():
