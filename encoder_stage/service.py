@@ -183,8 +183,6 @@ class EncoderService:
 
     def close(self) -> None:
         self.batcher.close()
-        if self.metrics_server is not None:
-            self.metrics_server.close()
 
 
 def run(cfg: EncoderConfig) -> None:
@@ -192,7 +190,14 @@ def run(cfg: EncoderConfig) -> None:
 
     async def make(ctx: zmq.asyncio.Context):
         service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
-        service.metrics_server = MetricsServer(service.metrics.registry, cfg.metrics_port)
-        return service.handle, service.quick, service.close
+        metrics = service.metrics_server = await MetricsServer.start(
+            service.metrics.registry, cfg.metrics_port
+        )
+
+        async def close() -> None:
+            service.close()
+            await metrics.close()
+
+        return service.handle, service.quick, close
 
     run_stage("encoder", cfg.bind, cfg.torch_threads, make, cfg.log_format)

@@ -298,8 +298,6 @@ class LLMService:
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.fetcher.close()
-        if self.metrics_server is not None:
-            self.metrics_server.close()
 
 
 def run(cfg: LLMConfig) -> None:
@@ -309,7 +307,14 @@ def run(cfg: LLMConfig) -> None:
         engine = Engine(cfg, spec)
         fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size)
         service = LLMService(cfg, engine, fetcher)
-        service.metrics_server = MetricsServer(service.metrics.registry, cfg.metrics_port)
-        return service.handle, service.quick, service.close
+        metrics = service.metrics_server = await MetricsServer.start(
+            service.metrics.registry, cfg.metrics_port
+        )
+
+        async def close() -> None:
+            service.close()
+            await metrics.close()
+
+        return service.handle, service.quick, close
 
     run_stage("llm", cfg.bind, cfg.torch_threads, make, cfg.log_format)

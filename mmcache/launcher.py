@@ -133,5 +133,8 @@ def _stop_all(children: dict[str, subprocess.Popen]) -> None:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning(
+                    "%s did not stop within %.0f s of SIGTERM; killing it", proc.args[3], GRACE_SECONDS
+                )
                 proc.kill()
                 proc.wait()

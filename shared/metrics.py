@@ -12,9 +12,10 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from aiohttp import web
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -64,9 +65,9 @@ class Family:
 class StatsCollector(Collector):
     """Yields ``families`` from ``stats()`` at each scrape.
 
-    NOTE: ``stats`` runs on the metrics HTTP thread while the stage's event loop (and the
-    engine's worker thread) change the numbers: it must only read ints and ``len()``s,
-    never iterate a container that another thread may resize.
+    NOTE: ``stats`` runs on the event loop while a worker thread (the LLM engine's step) may be
+    changing the numbers: it must only read ints and ``len()``s, never iterate a container
+    that another thread may resize.
     """
 
     def __init__(self, stats: Callable[[], Stats], families: list[Family]):
@@ -94,22 +95,30 @@ def setup_metrics() -> None:
 
 
 class MetricsServer:
-    """``/metrics`` of one stage replica on a port of its own (prometheus_client's threaded HTTP
-    server), so that every replica is scraped on its own."""
+    """``/metrics`` of one stage replica on a port of its own, served from the stage's event loop
+    (aiohttp, prometheus_client's handler), so that every replica is scraped on its own."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):
-        self._server: WSGIServer | None = None
-        self.port: int | None = None
+    def __init__(self, runner: web.AppRunner | None, port: int | None):
+        self._runner = runner
+        self.port = port  # the bound port; None when turned off
+
+    @classmethod
+    async def start(cls, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> MetricsServer:
+        """Listen on ``port`` (0: any free port; -1: not at all)."""
         if port < 0:
-            return
-        self._server, _ = start_http_server(port, host, registry=registry)
-        self.port = self._server.server_port
-        log.info("metrics on http://%s:%d/metrics", host, self.port)
+            return cls(None, None)
+        app = web.Application()
+        app.router.add_get("/metrics", make_aiohttp_handler(registry))
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        bound = runner.addresses[0][1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return cls(runner, bound)
 
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
 
 
 def metrics_url(address: str, port: int | None) -> str | None:

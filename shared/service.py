@@ -17,7 +17,7 @@ from shared.rpc import Handler, QuickHandler, RpcServer
 
 log = logging.getLogger(__name__)
 
-Closer = Callable[[], None]
+Closer = Callable[[], Awaitable[None] | None]
 
 
 async def serve(
@@ -28,7 +28,8 @@ async def serve(
     """Bind ``bind``, answer requests with the handlers from ``make_handler`` until a signal arrives.
 
     ``make_handler`` returns the request handler, the quick handler (answers what needs no
-    waiting as it arrives, see :class:`RpcServer`) and a close function for its resources.
+    waiting as it arrives, see :class:`RpcServer`) and a close function (plain or async) for its
+    resources.
     """
     ctx = zmq.asyncio.Context()
     loop = asyncio.get_running_loop()
@@ -47,7 +48,9 @@ async def serve(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     server.close()
-    close()
+    closed = close()
+    if closed is not None:
+        await closed
     ctx.destroy(linger=0)
 
 
