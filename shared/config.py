@@ -95,6 +95,21 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ValueError(f"{flag_name(name)} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+METRICS_PORT_HELP = (
+    "HTTP port of this replica's Prometheus /metrics (0: any free port, listed by the processor's "
+    "/health; -1: off)"
+)
+LOG_FORMAT_HELP = "log format: text, or json (one object per line)"
+LOG_FORMATS = ("text", "json")
+
+
+def _observability(metrics_port: int, log_format: str) -> None:
+    if not -1 <= metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be -1 (off), 0 (any) or a port, got {metrics_port}")
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class EncoderConfig:
     model: str = opt("", "checkpoint directory (Hugging Face format)")
@@ -109,8 +124,11 @@ class EncoderConfig:
     encoder_cache_gb: float = opt(2.0, "embedding cache size, GiB (0 disables)")
     handoff_ttl: float = opt(60.0, "seconds an encoded chunk stays pinned waiting for its LLM fetch")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+    metrics_port: int = opt(0, METRICS_PORT_HELP)
+    log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
+        _observability(self.metrics_port, self.log_format)
         _positive("max_batch_tokens", self.max_batch_tokens, allow_zero=True)
         _positive("max_queue", self.max_queue)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
@@ -143,8 +161,11 @@ class LLMConfig:
     torch_threads: int = opt(0, "torch intra-op CPU threads (0 = torch's default: every core)")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
     no_prefix_cache: bool = opt(False, "disable the KV prefix cache only")
+    metrics_port: int = opt(0, METRICS_PORT_HELP)
+    log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
+        _observability(self.metrics_port, self.log_format)
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -194,8 +215,10 @@ class ProcessorConfig:
         "", "origins whose web pages may call the API (CORS), comma separated; * for any"
     )
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+    log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
+        _observability(0, self.log_format)
         for name in (
             "port",
             "media_fetch_timeout",

@@ -11,16 +11,13 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 
+from shared.logs import setup_logging
+from shared.metrics import setup_metrics
 from shared.rpc import Handler, QuickHandler, RpcServer
 
 log = logging.getLogger(__name__)
 
-Closer = Callable[[], None]
-
-
-def setup_logging(stage: str) -> None:
-    level = os.environ.get("MMCACHE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s {stage} %(levelname)s %(name)s: %(message)s")
+Closer = Callable[[], Awaitable[None] | None]
 
 
 async def serve(
@@ -31,7 +28,8 @@ async def serve(
     """Bind ``bind``, answer requests with the handlers from ``make_handler`` until a signal arrives.
 
     ``make_handler`` returns the request handler, the quick handler (answers what needs no
-    waiting as it arrives, see :class:`RpcServer`) and a close function for its resources.
+    waiting as it arrives, see :class:`RpcServer`) and a close function (plain or async) for its
+    resources.
     """
     ctx = zmq.Context()
     loop = asyncio.get_running_loop()
@@ -50,14 +48,17 @@ async def serve(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     server.close()
-    close()
+    closed = close()
+    if closed is not None:
+        await closed
     ctx.destroy(linger=0)
 
 
-def run_stage(name: str, bind: str, torch_threads: int, make_handler) -> None:
+def run_stage(name: str, bind: str, torch_threads: int, make_handler, log_format: str = "text") -> None:
     """The body of ``mmcache encoder|llm``: logging, CPU threads, then :func:`serve` until a signal."""
     from shared.torch_utils import set_threads
 
-    setup_logging(name)
+    setup_logging(name, log_format)
+    setup_metrics()
     set_threads(torch_threads)
     asyncio.run(serve(name, bind, make_handler))
