@@ -57,7 +57,7 @@ class Dispatcher:
         self.repairs: Counter[str] = Counter()  # NeedEncode answered, by the LLM stage's cause
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {"repairs": dict(self.repairs)}
+        return {"repairs": {cause: self.repairs[cause] for cause in ("missing", "unreachable")}}
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
         # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
