@@ -16,6 +16,8 @@ from llm_stage.sequence import MediaRows, Sequence
 from shared.messages import FetchRequest, MediaSpan
 from shared.rpc import RemoteError, RpcClient
 
+MAX_ENCODER_CLIENTS = 256  # encoder replicas this LLM replica keeps a socket to
+
 
 class MissingEmbeddings(Exception):
     def __init__(self, keys: list[bytes]):
@@ -58,10 +60,23 @@ class MediaFetcher:
         self.stats = FetchStats()
 
     def client(self, address: str) -> RpcClient:
-        client = self._clients.get(address)
+        """The client of the encoder replica at ``address`` (as the processor found it).
+
+        NOTE: bounded: the least recently used client beyond :data:`MAX_ENCODER_CLIENTS` is
+        closed, and so is one whose call failed (see :meth:`_one`), so a replica that went away
+        leaves no socket reconnecting to it."""
+        client = self._clients.pop(address, None)
         if client is None:
-            client = self._clients[address] = RpcClient(self._ctx, address, "encoder")
+            client = RpcClient(self._ctx, address, "encoder")
+            while len(self._clients) >= MAX_ENCODER_CLIENTS:
+                self._clients.pop(next(iter(self._clients))).close()
+        self._clients[address] = client  # most recent last
         return client
+
+    def forget(self, address: str) -> None:
+        client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
 
     async def fetch(self, seq: Sequence, refs: list[ChunkRef], start: int, end: int) -> list[MediaRows]:
         """Rows for the media tokens in ``[start, end)``; raises :class:`MissingEmbeddings`.
@@ -110,6 +125,9 @@ class MediaFetcher:
         except RemoteError as exc:
             if exc.reply.code == "embedding_missing":
                 raise MissingEmbeddings([key]) from exc
+            raise
+        except (TimeoutError, ConnectionError):
+            self.forget(source)
             raise
         rows = reply.rows
         if tuple(rows.shape) != (hi - lo, self._hidden) or not rows.is_floating_point():

@@ -34,7 +34,7 @@ from shared.messages import (
     ReleaseProbe,
 )
 from shared.rpc import RemoteError, Responder
-from shared.service import run_stage
+from shared.service import replica_id, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ class LLMService:
             "embedding_rows_fetched": fetch.rows,
             "chunks_skipped": fetch.chunks_skipped,
         }
-        return Pong("llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info)
+        return Pong(
+            "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, id=replica_id()
+        )
 
     # --- probe ----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class Pong:
     fingerprint: bytes
     load: int = 0  # requests queued or running
     info: dict = field(default_factory=dict)
+    id: str = ""  # the replica's own stable id (shared.service.replica_id): routing keys on it
 
 
 @message
