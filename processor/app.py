@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -88,6 +89,7 @@ async def health(request: web.Request) -> web.Response:
     ok = all(h.pong is not None for _, h in stages)
     body = {
         "status": "ok" if ok else "unavailable",
+        "worker": os.getpid(),  # which of the `--workers` processes answered
         "stages": [
             {
                 "stage": kind,
@@ -286,6 +288,15 @@ class _Completion:
 
 
 def run(cfg: ProcessorConfig) -> None:
+    if cfg.workers > 1:
+        from processor.workers import run_workers
+
+        raise SystemExit(run_workers(cfg))
+    serve(cfg)
+
+
+def serve(cfg: ProcessorConfig, reuse_port: bool = False) -> None:
+    """One processor process; with ``reuse_port`` it shares the port with its sibling workers."""
     from shared.service import setup_logging
     from shared.torch_utils import set_threads
 
@@ -295,6 +306,7 @@ def run(cfg: ProcessorConfig) -> None:
         init(cfg),
         host=cfg.host,
         port=cfg.port,
+        reuse_port=reuse_port or None,
         handler_cancellation=True,
         print=None,
         access_log=None,
