@@ -1,0 +1,94 @@
+"""``docker compose up --scale`` for real: the repo's image and compose.yaml on a real Docker Engine.
+
+The same image and video requests get the same greedy answers as ``mmcache serve`` in one
+container; per-replica counters show both encoders holding shards and both LLM replicas serving;
+``--scale encoder=3`` on the running stack is picked up; ``down`` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+
+import pytest
+
+from tests.deploy.docker import answers, chat, get, replica_metrics, sh, up_replicas, wait_for
+from tests.e2e.util import image_part, video_part
+from tests.media import image_bytes, video_bytes
+
+pytestmark = pytest.mark.deploy
+
+STARTUP = 300  # seconds for a stack to answer (five containers loading torch on two cores)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bodies(model: str, seeds: range, video: bool = False) -> list[dict]:
+    out = [
+        chat(model, [image_part(image_bytes(112, 112, seed=s)), {"type": "text", "text": "What?"}], f"S{s}")
+        for s in seeds
+    ]
+    if video:
+        clip = video_bytes(4, 112, 112, seed=9)
+        out.append(chat(model, [video_part(clip), {"type": "text", "text": "And this?"}], "video"))
+    return out
+
+
+def healthy(base: str) -> bool:
+    status, _ = get(base + "/health", timeout=10)
+    return status == 200
+
+
+@pytest.fixture(scope="module")
+def reference(image) -> dict:
+    """Answers of ``mmcache serve`` (all three stages in one container) from the same image."""
+    port, name = free_port(), f"mmcache-ref-{uuid.uuid4().hex[:8]}"
+    base = f"http://127.0.0.1:{port}"
+    sh("docker", "run", "-d", "--init", "--name", name, "-p", f"127.0.0.1:{port}:8000", image)
+    try:
+        wait_for("mmcache serve in a container", lambda: healthy(base), STARTUP)
+        model = get(base + "/v1/models")[1]["data"][0]["id"]
+        first = bodies(model, range(6), video=True)
+        return {"model": model, "bodies": first, "answers": answers(base, first)}
+    finally:
+        sh("docker", "rm", "-f", name)
+
+
+def test_compose_scales_each_tier(image, reference):
+    project, port = f"mmcache-test-{uuid.uuid4().hex[:8]}", free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {"MMCACHE_IMAGE": image, "PORT": str(port), "MMCACHE_TORCH_THREADS": "1"}
+    compose = ("docker", "compose", "-p", project, "-f", "compose.yaml")
+    scale = ("up", "-d", "--no-build", "--scale", "llm=2")
+    try:
+        sh(*compose, *scale, "--scale", "encoder=2", env=env)
+        wait_for("the compose stack", lambda: healthy(base), STARTUP)
+        wait_for("2 encoders and 2 LLM replicas up", lambda: (
+            len(up_replicas(base, "encoder")) == 2 and len(up_replicas(base, "llm")) == 2), 60)  # fmt: skip
+        assert answers(base, reference["bodies"]) == reference["answers"]
+        m = replica_metrics(base)
+        encoded = m["encoder_chunks_encoded"]
+        assert len(encoded) == 2 and all(v > 0 for v in encoded.values()), encoded  # both hold shards
+        steps = m["llm_steps"]
+        assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps  # both serve
+
+        # Scale the running stack: the processor finds the third encoder by its name alone.
+        before = set(encoded)
+        sh(*compose, *scale, "--no-recreate", "--scale", "encoder=3", env=env)
+        wait_for("a third encoder", lambda: len(up_replicas(base, "encoder")) == 3, 120)
+        more = bodies(reference["model"], range(100, 124))
+        assert len(answers(base, more)) == len(more)
+        encoded = replica_metrics(base)["encoder_chunks_encoded"]
+        (new,) = set(encoded) - before
+        assert encoded[new] > 0, encoded  # the new replica got its shard
+        assert all(encoded[a] > 0 for a in before)
+    finally:
+        sh(*compose, "down", "-v", "--remove-orphans", "-t", "5", env=env, check=False)
+    label = f"label=com.docker.compose.project={project}"
+    assert sh("docker", "ps", "-aq", "--filter", label).strip() == ""
+    assert sh("docker", "network", "ls", "-q", "--filter", label).strip() == ""
+    assert sh("docker", "volume", "ls", "-q", "--filter", label).strip() == ""
