@@ -84,9 +84,17 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when every replica found answers; with ``?ready=1``, when each tier has one that does
+    (can serve: what container health checks and readiness probes ask, so a replica that is still
+    starting or has died does not take the processor out too)."""
     encoders, llms = await request.app[STAGES].health()
     stages = [*(("encoder", h) for h in encoders), *(("llm", h) for h in llms)]
-    ok = all(h.pong is not None for _, h in stages)
+    up = [h.pong is not None for _, h in stages]
+    # NOTE: a tier whose name resolves to no replica yet is never healthy.
+    if request.query.get("ready"):
+        ok = any(h.pong for h in encoders) and any(h.pong for h in llms)
+    else:
+        ok = bool(encoders) and bool(llms) and all(up)
     body = {
         "status": "ok" if ok else "unavailable",
         "worker": os.getpid(),  # which of the `--workers` processes answered

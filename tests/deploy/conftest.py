@@ -5,10 +5,24 @@ from __future__ import annotations
 
 import subprocess
 import time
+import uuid
 
 import pytest
 
-from tests.deploy.docker import ROOT, build_image, image_size
+from tests.deploy.docker import (
+    IMAGE,
+    ROOT,
+    STARTUP,
+    answers,
+    bodies,
+    build_image,
+    free_port,
+    get,
+    healthy,
+    image_size,
+    sh,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +41,19 @@ def image(engine) -> str:
     started = time.monotonic()
     build_image()
     print(f"\nimage built in {time.monotonic() - started:.0f} s, {image_size() / 1e9:.2f} GB")
-    from tests.deploy.docker import IMAGE
-
     return IMAGE
+
+
+@pytest.fixture(scope="session")
+def reference(image) -> dict:
+    """Answers of ``mmcache serve`` (all three stages in one container) from the same image."""
+    port, name = free_port(), f"mmcache-ref-{uuid.uuid4().hex[:8]}"
+    base = f"http://127.0.0.1:{port}"
+    sh("docker", "run", "-d", "--init", "--name", name, "-p", f"127.0.0.1:{port}:8000", image)
+    try:
+        wait_for("mmcache serve in a container", lambda: healthy(base), STARTUP)
+        model = get(base + "/v1/models")[1]["data"][0]["id"]
+        first = bodies(model, range(6), video=True)
+        return {"model": model, "bodies": first, "answers": answers(base, first)}
+    finally:
+        sh("docker", "rm", "-f", name)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tests.e2e.util import image_part, video_part
+from tests.media import image_bytes, video_bytes
+
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "mmcache:deploy-test"
 BASE_IMAGE = "mmcache-base:bookworm"  # built by scripts/docker-engine (debootstrap)
+STARTUP = 300  # seconds for a stack to answer (containers loading torch on two cores)
 
 
 def sh(*cmd: str, timeout: float = 600, check: bool = True, env: dict | None = None, **kw) -> str:
@@ -97,6 +102,29 @@ def chat(model: str, content: list[dict], system: str) -> dict:
         "temperature": 0,
         "return_token_ids": True,
     }
+
+
+def bodies(model: str, seeds: range, video: bool = False) -> list[dict]:
+    """One distinct small image per seed (each its own system prompt), and maybe a video."""
+    out = [
+        chat(model, [image_part(image_bytes(112, 112, seed=s)), {"type": "text", "text": "What?"}], f"S{s}")
+        for s in seeds
+    ]
+    if video:
+        clip = video_bytes(4, 112, 112, seed=9)
+        out.append(chat(model, [video_part(clip), {"type": "text", "text": "And this?"}], "video"))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(base: str) -> bool:
+    status, _ = get(base + "/health", timeout=10)
+    return status == 200
 
 
 def answers(base: str, bodies: list[dict]) -> list[list[int]]:

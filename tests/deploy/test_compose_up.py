@@ -7,55 +7,23 @@ container; per-replica counters show both encoders holding shards and both LLM r
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
 
-from tests.deploy.docker import answers, chat, get, replica_metrics, sh, up_replicas, wait_for
-from tests.e2e.util import image_part, video_part
-from tests.media import image_bytes, video_bytes
+from tests.deploy.docker import (
+    STARTUP,
+    answers,
+    bodies,
+    free_port,
+    healthy,
+    replica_metrics,
+    sh,
+    up_replicas,
+    wait_for,
+)
 
 pytestmark = pytest.mark.deploy
-
-STARTUP = 300  # seconds for a stack to answer (five containers loading torch on two cores)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bodies(model: str, seeds: range, video: bool = False) -> list[dict]:
-    out = [
-        chat(model, [image_part(image_bytes(112, 112, seed=s)), {"type": "text", "text": "What?"}], f"S{s}")
-        for s in seeds
-    ]
-    if video:
-        clip = video_bytes(4, 112, 112, seed=9)
-        out.append(chat(model, [video_part(clip), {"type": "text", "text": "And this?"}], "video"))
-    return out
-
-
-def healthy(base: str) -> bool:
-    status, _ = get(base + "/health", timeout=10)
-    return status == 200
-
-
-@pytest.fixture(scope="module")
-def reference(image) -> dict:
-    """Answers of ``mmcache serve`` (all three stages in one container) from the same image."""
-    port, name = free_port(), f"mmcache-ref-{uuid.uuid4().hex[:8]}"
-    base = f"http://127.0.0.1:{port}"
-    sh("docker", "run", "-d", "--init", "--name", name, "-p", f"127.0.0.1:{port}:8000", image)
-    try:
-        wait_for("mmcache serve in a container", lambda: healthy(base), STARTUP)
-        model = get(base + "/v1/models")[1]["data"][0]["id"]
-        first = bodies(model, range(6), video=True)
-        return {"model": model, "bodies": first, "answers": answers(base, first)}
-    finally:
-        sh("docker", "rm", "-f", name)
 
 
 def test_compose_scales_each_tier(image, reference):
