@@ -35,7 +35,7 @@ def test_stack_deploys_across_nodes_and_scales_live(image, reference):
 
         base = wait_for("the stack", processor_url, STARTUP, every=3)
         wait_for("1 encoder and 2 LLM replicas up", lambda: (
-            len(up_replicas(base, "encoder")) == 1 and len(up_replicas(base, "llm")) == 2), 120)  # fmt: skip
+            len(up_replicas(base, "encoder")) == 1 and len(up_replicas(base, "llm")) == 2), STARTUP)  # fmt: skip
         assert answers(base, reference["bodies"]) == reference["answers"]
         before = set(replica_metrics(base)["encoder_chunks_encoded"])
 
@@ -48,5 +48,8 @@ def test_stack_deploys_across_nodes_and_scales_live(image, reference):
         encoded = replica_metrics(base)["encoder_chunks_encoded"]
         new = set(encoded) - before
         assert len(new) == 2 and all(encoded[a] > 0 for a in new), encoded  # the new ones hold shards
+    except BaseException:
+        print(swarm.manage("service", "ps", "mmcache_encoder", "mmcache_llm", "mmcache_processor", check=False))
+        raise
     finally:
         swarm.close()
