@@ -34,8 +34,11 @@ def test_stack_deploys_across_nodes_and_scales_live(image, reference):
             return url if get(url + "/health", timeout=10)[0] == 200 else None
 
         base = wait_for("the stack", processor_url, STARTUP, every=3)
-        wait_for("1 encoder and 2 LLM replicas up", lambda: (
-            len(up_replicas(base, "encoder")) == 1 and len(up_replicas(base, "llm")) == 2), STARTUP)  # fmt: skip
+        wait_for(
+            "1 encoder and 2 LLM replicas up",
+            lambda: len(up_replicas(base, "encoder")) == 1 and len(up_replicas(base, "llm")) == 2,
+            STARTUP,
+        )
         assert answers(base, reference["bodies"]) == reference["answers"]
         before = set(replica_metrics(base)["encoder_chunks_encoded"])
 
@@ -49,7 +52,8 @@ def test_stack_deploys_across_nodes_and_scales_live(image, reference):
         new = set(encoded) - before
         assert len(new) == 2 and all(encoded[a] > 0 for a in new), encoded  # the new ones hold shards
     except BaseException:
-        print(swarm.manage("service", "ps", "mmcache_encoder", "mmcache_llm", "mmcache_processor", check=False))
+        services = ("mmcache_encoder", "mmcache_llm", "mmcache_processor")
+        print(swarm.manage("service", "ps", *services, check=False))
         raise
     finally:
         swarm.close()
