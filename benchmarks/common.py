@@ -8,7 +8,6 @@ medians of ``time.perf_counter`` samples taken after warm-up.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import atexit
 import contextlib
 import hashlib
@@ -340,10 +339,6 @@ class Server(StageProcess):
 def metric(metrics: dict[str, float], prefix: str) -> float:
     """Sum of every series whose name (labels included) starts with ``prefix``."""
     return sum(v for k, v in metrics.items() if k == prefix or k.startswith(prefix + "{"))
-
-
-def run_async(coro: Awaitable[Any]) -> Any:
-    return asyncio.run(coro)  # type: ignore[arg-type]
 
 
 def interleaved(fns: Sequence[Callable[[], Any]], budget: Budget) -> list[list[float]]:

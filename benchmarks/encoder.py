@@ -78,10 +78,7 @@ async def hit_vs_miss(client, rng: np.random.Generator, quick: bool) -> tuple[Re
 
     async def miss() -> None:
         key = rng.bytes(16)
-        reply = await client.call(
-            EncodeRequest([EncodeItem(key, "image", next(fresh))]), timeout=CALL_TIMEOUT
-        )
-        assert reply.num_encoded == 1, reply
+        await client.call(EncodeRequest([EncodeItem(key, "image", next(fresh))]), timeout=CALL_TIMEOUT)
         rows = (await client.call(FetchRequest(key, 0, tokens, release=True), timeout=CALL_TIMEOUT)).rows
         assert rows.shape[0] == tokens
 

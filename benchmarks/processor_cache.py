@@ -99,7 +99,9 @@ def run(quick: bool = False) -> list[Result]:
         pipelines += [pipe, off]
 
         def prepare(p, url: str):
-            return loop.run_until_complete(p.prepare(parse_chat_request(_body(url))))
+            prepared = loop.run_until_complete(p.prepare(parse_chat_request(_body(url))))
+            p.done(prepared)  # the request ends: its entries may be evicted again
+            return prepared
 
         # warm-up: the hit image goes into the cache, one miss warms decode/resize
         first = prepare(pipe, urls[0])

@@ -7,11 +7,11 @@ import logging
 from typing import Any
 
 import torch
-import zmq.asyncio
+import zmq
 
 from encoder_stage.batcher import Batcher
 from encoder_stage.embedding_cache import EmbeddingCache
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from shared.checkpoint import ModelSpec
 from shared.config import EncoderConfig
 from shared.keys import ChunkKey, embed_key
@@ -31,6 +31,7 @@ from shared.messages import (
 )
 from shared.rpc import Responder
 from shared.service import replica_id, run_stage
+from shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,7 @@ log = logging.getLogger(__name__)
 def default_batch_tokens(device: torch.device) -> int:
     """Patches per vision forward when not set. A GPU amortizes each forward over its batch; a
     CPU computes a batch in the time of its chunks one by one, and every chunk waits for the whole
-    batch, so there batches stay at two 448x448 images (measured, 16 concurrent requests on 2
-    cores: 1,055-1,104 output tokens/s with 512-2,048 patches, 988-1,043 with 4,096)."""
+    batch, so there batches stay at two 448x448 images (README: the figures behind the choice)."""
     return 4096 if device.type == "cuda" else 2048
 
 
@@ -49,7 +49,7 @@ class EncoderService:
         self.tower = tower
         self.batcher = Batcher(tower, cfg.max_batch_tokens or default_batch_tokens(tower.device))
         self.cache = EmbeddingCache(cfg.cache_bytes, cfg.handoff_ttl)
-        self._inflight: dict[bytes, asyncio.Task[torch.Tensor]] = {}
+        self._flight: SingleFlight[bytes, torch.Tensor] = SingleFlight()
         self.num_fetches = 0
 
     def key(self, chunk: bytes) -> bytes:
@@ -115,33 +115,23 @@ class EncoderService:
             if problem := self.check(item):
                 await reply.send(ErrorReply("bad_pixels", problem, 400))
                 return
-        results = await asyncio.gather(*(self._encode_one(item, msg.handoff) for item in msg.items))
-        encoded = sum(results)
-        await reply.send(EncodeReply(num_encoded=encoded, num_reused=len(results) - encoded))
+        await asyncio.gather(*(self._encode_one(item, msg.handoff) for item in msg.items))
+        await reply.send(EncodeReply())
 
-    async def _encode_one(self, item: EncodeItem, handoff: bool) -> bool:
-        """Make sure ``item`` is cached (pinned for hand-off if asked); True if this call ran its forward."""
+    async def _encode_one(self, item: EncodeItem, handoff: bool) -> None:
+        """Make sure ``item`` is cached (pinned for hand-off if asked)."""
         key = self.key(item.key)
         if self.cache.touch(key, handoff):
-            return False
-        task = self._inflight.get(key)
-        owner = task is None
-        if task is None:  # single flight: concurrent requests for one key share this forward
-            task = asyncio.get_running_loop().create_task(self._compute(key, item))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            self._inflight[key] = task
-        rows = await asyncio.shield(task)
+            return
+        # NOTE: concurrent requests for one key share one forward
+        rows, _ = await self._flight.run(key, lambda: self._compute(key, item))
         if not self.cache.touch(key, handoff):
             self.cache.put(key, rows, handoff)
-        return owner
 
     async def _compute(self, key: bytes, item: EncodeItem) -> torch.Tensor:
-        try:
-            rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
-            self.cache.put(key, rows, handoff=False)
-            return rows
-        finally:
-            self._inflight.pop(key, None)
+        rows = await self.batcher.encode(VisionInput(item.modality, item.pixels))
+        self.cache.put(key, rows, handoff=False)
+        return rows
 
     def _fetch(self, msg: FetchRequest, reply: Responder) -> None:
         key = self.key(msg.key)
@@ -182,7 +172,7 @@ class EncoderService:
 def run(cfg: EncoderConfig) -> None:
     spec = ModelSpec.load(cfg.model)
 
-    async def make(ctx: zmq.asyncio.Context):
+    async def make(ctx: zmq.Context):
         service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
         return service.handle, service.quick, service.close
 

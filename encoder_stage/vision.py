@@ -1,8 +1,11 @@
-"""The vision tower: uint8 pixels in, merged visual embeddings out.
+"""The vision tower: uint8 pixels in, visual feature rows out.
 
 Loads only the vision weights of the checkpoint into the transformers vision
-class of its family. Normalisation and patchify run here, with the checkpoint's
-own image/video processor arithmetic, on the device the tower runs on.
+class of its family. Each visual token gets ``spec.feature_sets`` rows: the merged
+embedding, then (Qwen3-VL) one row per deepstack layer, stacked as one tensor
+(tokens, feature_sets, hidden) so that a token range of every set is one slice.
+Normalisation and patchify run here, with the checkpoint's own image/video
+processor arithmetic, on the device the tower runs on.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoVideoProcessor
 from transformers.initialization import no_init_weights
 
 from shared.checkpoint import ModelSpec, load_weights, vision_weight_name
+from shared.family import load_class
 from shared.keys import Fingerprint, fingerprint
 from shared.torch_utils import resolve_device, resolve_dtype
 
@@ -22,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Chunk:
+class VisionInput:
     """One unit of encoding: an image, or one temporal patch of a video."""
 
     modality: str  # "image" | "video"
@@ -40,20 +44,12 @@ class LinearPatchEmbed(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             conv.weight.detach().reshape(conv.out_channels, -1), requires_grad=False
         )
+        bias = conv.bias  # Qwen3-VL's patch embedding has one
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         flat = hidden_states.reshape(-1, self.patch_dim).to(self.weight.dtype)
-        return torch.nn.functional.linear(flat, self.weight)
-
-
-def _vision_class(model_type: str) -> type:
-    if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-        return Qwen2VisionTransformerPretrainedModel
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    return Qwen2_5_VisionTransformerPretrainedModel
+        return torch.nn.functional.linear(flat, self.weight, self.bias)
 
 
 class VisionTower:
@@ -64,7 +60,7 @@ class VisionTower:
         config = AutoConfig.from_pretrained(spec.path).vision_config
         config._attn_implementation = "sdpa"
         with no_init_weights():
-            model = _vision_class(spec.model_type)._from_config(config, dtype=self.dtype)
+            model = load_class(spec.family.vision_class)._from_config(config, dtype=self.dtype)
         state = load_weights(spec.path, vision_weight_name)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -74,11 +70,12 @@ class VisionTower:
         self.image_processor = AutoImageProcessor.from_pretrained(spec.path)
         self.video_processor = AutoVideoProcessor.from_pretrained(spec.path)
         self.merge = config.spatial_merge_size
+        self.feature_sets = spec.feature_sets
         self.fingerprint: Fingerprint = fingerprint(
             "vision", [("weights", spec.weights_fingerprint.hex()), ("dtype", str(self.dtype))]
         )
 
-    def patches(self, chunk: Chunk) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def patches(self, chunk: VisionInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Normalise and patchify one chunk exactly as the HF processor does."""
         proc = self.image_processor if chunk.modality == "image" else self.video_processor
         pixels = chunk.pixels.to(self.device)
@@ -98,16 +95,20 @@ class VisionTower:
         return flat[0], grid_thw
 
     @torch.inference_mode()
-    def encode(self, chunks: list[Chunk]) -> list[torch.Tensor]:
-        """One forward over all chunks; returns (tokens, hidden) embeddings per chunk, on the CPU."""
+    def encode(self, chunks: list[VisionInput]) -> list[torch.Tensor]:
+        """One forward over all chunks; returns (tokens, feature_sets, hidden) rows per chunk, on the CPU."""
         prepared = [self.patches(c) for c in chunks]
         pixel_values = torch.cat([p for p, _ in prepared]).to(self.dtype)
         grid_thw = torch.tensor([g for _, g in prepared], dtype=torch.long, device=self.device)
-        merged = self.model(pixel_values, grid_thw=grid_thw).pooler_output
+        out = self.model(pixel_values, grid_thw=grid_thw)
+        sets = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+        if len(sets) != self.feature_sets:
+            raise RuntimeError(f"vision tower returned {len(sets)} feature sets, want {self.feature_sets}")
+        rows = sets[0][:, None] if len(sets) == 1 else torch.stack(sets, dim=1)  # a view when one set
         sizes = (grid_thw.prod(-1) // (self.merge * self.merge)).tolist()
-        return [e.to("cpu", copy=True) for e in torch.split(merged, sizes)]
+        return [e.to("cpu", copy=True) for e in torch.split(rows, sizes)]
 
-    def num_patches(self, chunk: Chunk) -> int:
+    def num_patches(self, chunk: VisionInput) -> int:
         _, _, h, w = chunk.pixels.shape
         patch = self.image_processor.patch_size
         return (h // patch) * (w // patch)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from llm_stage.sequence import Sequence
 from shared.block_hash import BlockHash
+from shared.media_spans import chunk_places
 from shared.messages import MediaSpan
 
 MAX_PARTIAL_CANDIDATES = 16  # children of one parent compared per match, most recent first
@@ -54,8 +55,17 @@ class PrefixMatch:
         return self.blocks + ([self.partial[0]] if self.partial else [])
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy the K/V of the first ``tokens`` slots of block ``source`` into block ``target``."""
+
+    source: int
+    target: int
+    tokens: int
+
+
 @dataclass(slots=True)
-class CacheStats:
+class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens served from the cache
     evictions: int = 0  # cached blocks whose hash was forgotten for reuse
@@ -70,7 +80,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.children: dict[BlockHash, dict[int, None]] = {}  # parent hash → cached blocks, oldest first
-        self.stats = CacheStats()
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,13 +139,14 @@ class BlockManager:
 
     def can_allocate(self, match: PrefixMatch, num_new_tokens: int) -> bool:
         """Room to hold ``match`` (reviving its blocks; a shared start's source counts too, it is
-        held until copied) plus fresh blocks for ``num_new_tokens`` tokens after its full blocks?"""
+        held until copied) plus blocks for ``num_new_tokens`` tokens after it?"""
         revived = sum(1 for b in match.held() if self.blocks[b].ref_count == 0)
-        fresh = self.blocks_needed(len(match.blocks) * self.block_size + num_new_tokens) - len(match.blocks)
+        end = match.num_tokens(self.block_size) + num_new_tokens
+        fresh = self.blocks_needed(end) - len(match.blocks)
         return revived + fresh <= len(self.free)
 
     def hold(self, blocks: list[int]) -> None:
-        """Take a reference on cached blocks (a probe's pin, or a request's prefix before admission)."""
+        """Take a reference on cached blocks (a probe's pin, a shared start's source)."""
         for block_id in blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -149,31 +160,28 @@ class BlockManager:
             if block.ref_count == 0:
                 self._to_free_queue(block)
 
-    def allocate(self, seq: Sequence, match: PrefixMatch) -> None:
+    def allocate(self, seq: Sequence, match: PrefixMatch) -> BlockCopy | None:
         """Admit ``seq`` with its cached prefix (its new tokens get blocks via :meth:`grow`).
 
-        A partial match takes a fresh block now and leaves ``seq.kv_copy`` for the model runner,
-        which copies the shared start into it before the step that first computes ``seq``.
+        Returns:
+            for a partial match, the copy of the shared start into ``seq``'s fresh block. Its
+            source stays held until the caller has run the copy and released it.
         """
-        assert not seq.block_table and seq.kv_copy is None
+        assert not seq.block_table
         self.hold(match.held())
         seq.block_table.extend(match.blocks)
         seq.num_computed_tokens = len(match.blocks) * self.block_size
+        copy = None
         if match.partial is not None:
             if self.free:
                 source, tokens = match.partial
                 seq.block_table.append(self._take_free())
-                seq.kv_copy = (source, seq.block_table[-1], tokens)
+                copy = BlockCopy(source, seq.block_table[-1], tokens)
                 seq.num_computed_tokens += tokens
             else:
                 self.release([match.partial[0]])
         seq.num_cached_tokens = seq.num_computed_tokens
-
-    def copied(self, seq: Sequence) -> None:
-        """The runner copied ``seq``'s shared block start: let go of the source block."""
-        if seq.kv_copy is not None:
-            self.release([seq.kv_copy[0]])
-            seq.kv_copy = None
+        return copy
 
     # --- growth and release -----------------------------------------------------
 
@@ -228,7 +236,6 @@ class BlockManager:
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""
-        self.copied(seq)  # a copy that never ran needs its source no more
         self.release(seq.block_table)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
@@ -246,14 +253,8 @@ def _same_media_until(a: BlockMedia, b: BlockMedia) -> int:
 
 def block_media(spans: Seq[MediaSpan], start: int, size: int) -> BlockMedia:
     """(chunk key, chunk start - ``start``) of the chunks overlapping tokens ``[start, start + size)``."""
-    out = []
-    for span in sorted(spans, key=lambda s: s.offset):
-        n = span.tokens_per_chunk
-        first = max(0, (start - span.offset) // n)
-        for i in range(first, len(span.chunk_keys)):
-            chunk_start = span.offset + i * n
-            if chunk_start >= start + size:
-                break
-            if chunk_start + n > start:
-                out.append((span.chunk_keys[i], chunk_start - start))
-    return tuple(out)
+    return tuple(
+        (chunk.key, chunk.start - start)
+        for chunk in chunk_places(spans)
+        if chunk.end > start and chunk.start < start + size
+    )

@@ -1,24 +1,29 @@
 """The generation engine behind the LLM service: requests in, tokens out, one step at a time.
 
 :meth:`Engine.step` runs in one worker thread; the service calls everything
-else from the event loop. Block-pool state is shared, so both sides take
-:attr:`Engine.lock` around it; the model forward itself runs unlocked.
+else from the event loop. The loop never touches a sequence the engine owns:
+it sends typed commands (:class:`Submit`, :class:`Cancel`, :class:`AddRows`,
+:class:`Fail`) through an inbox the step drains first. Probes read the block
+pool from the loop, so both sides take :attr:`Engine.lock` around it; the
+model forward itself runs unlocked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from llm_stage.block_manager import BlockManager
-from llm_stage.model_runner import KVCache, ModelRunner
+from llm_stage.kv_cache import KVCache, kv_budget_bytes
+from llm_stage.model_runner import ModelRunner
 from llm_stage.sampler import sample
-from llm_stage.scheduler import Scheduler, StepOutput
-from llm_stage.sequence import Sequence
+from llm_stage.scheduler import RowsWanted, Scheduler, StepOutput
+from llm_stage.sequence import MediaRows, SeqStatus, Sequence
 from llm_stage.text_model import TextLM
 from shared.block_hash import BlockHash
 from shared.checkpoint import ModelSpec
@@ -29,6 +34,42 @@ from shared.torch_utils import resolve_device, resolve_dtype
 log = logging.getLogger(__name__)
 
 
+# --- commands: what the event loop asks of the worker thread, applied at the start of a step ---
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    seq: Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class AddRows:
+    seq: Sequence
+    rows: list[MediaRows]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    seq: Sequence
+    message: str
+
+
+Command = Submit | Cancel | AddRows | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outputs: list[StepOutput]  # tokens and ends, per sequence
+    fetches: list[RowsWanted]  # media rows to fetch for sequences that lack them
+    admitted: list[Sequence]  # sequences admitted for the first time (their cached prefix is known)
+    computed: bool = False  # the step ran the model
+
+
 class Engine:
     def __init__(self, cfg: LLMConfig, spec: ModelSpec):
         self.spec = spec
@@ -36,7 +77,7 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.lm = TextLM(spec, self.device, self.dtype)
         per_block = KVCache.bytes_per_block(self.lm, cfg.block_size, self.dtype)
-        num_blocks = cfg.num_kv_blocks or int(cfg.kv_cache_gb * (1 << 30)) // per_block
+        num_blocks = cfg.num_kv_blocks or kv_budget_bytes(cfg.kv_cache_gb, self.device) // per_block
         wanted_len = cfg.max_model_len or spec.max_position_embeddings
         self.max_model_len = min(wanted_len, num_blocks * cfg.block_size)
         if self.max_model_len < wanted_len:
@@ -46,7 +87,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.lock = threading.Lock()
-        self._inbox: deque[Callable[[], StepOutput | None]] = deque()
+        self._inbox: deque[Command] = deque()
         self._probe_ids = itertools.count(1)
         self._probes: dict[int, tuple[list[int], float]] = {}  # probe id → (held blocks, expiry)
         self.num_steps = 0
@@ -89,52 +130,31 @@ class Engine:
 
     def release_probe(self, probe_id: int) -> None:
         with self.lock:
-            held = self._probes.pop(probe_id, None)
-            if held is not None:
-                self.blocks.release(held[0])
+            self._release_probe(probe_id)
+
+    def _release_probe(self, probe_id: int) -> None:
+        held = self._probes.pop(probe_id, None)
+        if held is not None:
+            self.blocks.release(held[0])
 
     def _expire_probes(self) -> None:
         now = time.monotonic()
         for probe_id in [p for p, (_, expiry) in self._probes.items() if expiry <= now]:
             self.blocks.release(self._probes.pop(probe_id)[0])
 
-    def hold_prefix(self, seq: Sequence) -> int:
-        """Attach the cached prefix to ``seq`` before its media rows are fetched; returns its length."""
-        if not self.blocks.enable_caching:
-            return 0
-        with self.lock:
-            self.blocks.allocate(seq, self.scheduler.match(seq))
-        return seq.num_computed_tokens
-
-    def drop(self, seq: Sequence) -> None:
-        """Release a sequence that was never submitted."""
-        with self.lock:
-            self.blocks.free_seq(seq)
-
     def submit(self, seq: Sequence) -> None:
-        self._inbox.append(lambda: self.scheduler.add(seq))
+        self._inbox.append(Submit(seq))
 
-    def cancel(self, seq_id: int) -> None:
-        def abort() -> StepOutput | None:
-            seq = self.scheduler.abort(seq_id)
-            return None if seq is None else self.scheduler.output(seq, None)
+    def cancel(self, seq: Sequence) -> None:
+        self._inbox.append(Cancel(seq))
 
-        self._inbox.append(abort)
+    def add_rows(self, seq: Sequence, rows: list[MediaRows]) -> None:
+        """Hand fetched media rows to ``seq`` (applied by the worker thread before its next step)."""
+        self._inbox.append(AddRows(seq, rows))
 
     def fail(self, seq: Sequence, message: str) -> None:
-        """End a sequence that is in no queue (parked) with an error."""
-
-        def fail() -> StepOutput:
-            seq.finish_reason = "error"
-            return self.scheduler.output(seq, None, message)
-
-        self._inbox.append(fail)
-
-    def take_starving(self) -> list[Sequence]:
-        """Sequences parked because their media rows must be fetched again."""
-        with self.lock:
-            out, self.scheduler.starving = self.scheduler.starving, []
-        return out
+        """End ``seq`` with an error (its media rows could not be had)."""
+        self._inbox.append(Fail(seq, message))
 
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
@@ -145,33 +165,53 @@ class Engine:
 
     # --- called from the worker thread -----------------------------------------------
 
-    def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+    def step(self) -> StepResult:
         with self.lock:
             self._expire_probes()
-            while self._inbox:
-                out = self._inbox.popleft()()
-                if out is not None:
-                    outputs.append(out)
-            batch = self.scheduler.schedule()
-            for seq, _ in batch:
-                if seq.kv_copy is not None:
-                    self.runner.copy_block_start(*seq.kv_copy)
-                    self.blocks.copied(seq)
-        if not batch:
-            return outputs
+            outputs = [out for cmd in self._drain() if (out := self._apply(cmd)) is not None]
+            plan = self.scheduler.schedule()
+            for seq in plan.admitted:
+                if seq.probe_id:  # the scheduler holds the prefix now: the probe's pin can go
+                    self._release_probe(seq.probe_id)
+            for copy in plan.copies:
+                self.runner.copy_block_start(copy)
+                self.blocks.release([copy.source])
+        result = StepResult(outputs, plan.fetches, plan.admitted)
+        if not plan.items:
+            return result
         try:
-            logits = self.runner.run(batch)
-            ready = [seq for seq, n in batch if seq.num_computed_tokens + n == seq.num_tokens]
-            tokens = sample(logits, ready)
+            logits = self.runner.run(plan.items)
+            tokens = sample(logits, plan.sampled)
         except Exception as exc:
-            log.exception("engine step failed; failing its %d sequences", len(batch))
+            log.exception("engine step failed; failing its %d sequences", len(plan.items))
             with self.lock:
-                for seq, _ in batch:
-                    self.scheduler.abort(seq.seq_id)
-                    seq.finish_reason = "error"
-                    outputs.append(self.scheduler.output(seq, None, f"{type(exc).__name__}: {exc}"))
-            return outputs
+                for item in plan.items:
+                    self.scheduler.abort(item.seq, "error")
+                    outputs.append(self.scheduler.output(item.seq, None, f"{type(exc).__name__}: {exc}"))
+            return result
         self.num_steps += 1
         with self.lock:
-            return outputs + self.scheduler.postprocess(batch, tokens)
+            outputs += self.scheduler.postprocess(plan, tokens)
+        return dataclasses.replace(result, computed=True)
+
+    def _drain(self) -> list[Command]:
+        out = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    def _apply(self, cmd: Command) -> StepOutput | None:
+        """Carry out one command from the event loop; returns the output it ends a sequence with."""
+        seq = cmd.seq
+        if isinstance(cmd, Submit):
+            self.scheduler.add(seq)
+        elif isinstance(cmd, AddRows):
+            if seq.status is not SeqStatus.FINISHED:
+                seq.media.extend(cmd.rows)
+                self.scheduler.rows_arrived(seq)
+        elif isinstance(cmd, Cancel):
+            if self.scheduler.abort(seq):
+                return self.scheduler.output(seq, None)
+        elif self.scheduler.abort(seq, "error"):  # Fail
+            return self.scheduler.output(seq, None, cmd.message)
+        return None

@@ -1,7 +1,10 @@
 """Pull embedding rows from the encoders that own them.
 
-Only rows at or after the cached prefix are fetched: a chunk wholly inside
-the prefix costs nothing, a chunk the prefix ends inside costs its tail.
+The scheduler asks only for rows its sequences lack (after the cached prefix,
+or what a preemption lost): a chunk wholly inside the prefix costs nothing, a
+chunk the prefix ends inside costs its tail. A row holds every feature set of
+its token (the merged embedding, then the deepstack sets where the family has
+them), so a tail fetch reads the tail of each set.
 """
 
 from __future__ import annotations
@@ -10,19 +13,20 @@ import asyncio
 from dataclasses import dataclass
 
 import torch
-import zmq.asyncio
+import zmq
 
-from llm_stage.sequence import MediaRows, Sequence
+from llm_stage.sequence import MediaRows
+from shared.media_spans import chunk_places
 from shared.messages import FetchRequest, MediaSpan
 from shared.rpc import RemoteError, RpcClient
 
 MAX_ENCODER_CLIENTS = 256  # encoder replicas this LLM replica keeps a socket to
 
 
-class MissingEmbeddings(Exception):
-    def __init__(self, keys: list[bytes]):
-        super().__init__(f"{len(keys)} chunk(s) missing at their encoders")
-        self.keys = keys
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    rows: list[MediaRows]  # what arrived, for the tokens asked for
+    lost: dict[bytes, str]  # chunk key → why its rows could not be read ("missing", "unreachable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,30 +35,37 @@ class ChunkRef:
     end: int
     key: bytes
     source: str  # encoder address
-    handoff: bool  # this request holds a hand-off pin there
 
 
-def chunk_refs(spans: list[MediaSpan], sources: list[str], handoff: list[bool]) -> list[ChunkRef]:
-    refs: list[ChunkRef] = []
-    for span in sorted(spans, key=lambda s: s.offset):
-        n = span.tokens_per_chunk
-        for i, key in enumerate(span.chunk_keys):
-            j = len(refs)
-            refs.append(ChunkRef(span.offset + i * n, span.offset + (i + 1) * n, key, sources[j], handoff[j]))
-    return refs
+def chunk_refs(spans: list[MediaSpan], sources: list[str]) -> list[ChunkRef]:
+    """Every chunk of the prompt with its encoder (``sources``: spans in order, chunks in order)."""
+    return [
+        ChunkRef(c.start, c.end, c.key, source)
+        for c, source in zip(chunk_places(spans), sources, strict=True)
+    ]
 
 
 @dataclass(slots=True)
 class FetchStats:
     fetches: int = 0
-    rows: int = 0
+    rows: int = 0  # visual tokens
+    feature_rows: int = 0  # rows of all feature sets: rows * feature sets
     chunks_skipped: int = 0  # wholly inside the cached prefix
 
 
+def _cause(exc: Exception) -> str:
+    """Why a chunk's rows could not be read: gone from its encoder, or the encoder did not answer
+    (any other failure, a malformed reply included, is repaired the same way)."""
+    if isinstance(exc, RemoteError) and exc.reply.code == "embedding_missing":
+        return "missing"
+    return "unreachable"
+
+
 class MediaFetcher:
-    def __init__(self, ctx: zmq.asyncio.Context, timeout: float, hidden_size: int):
+    def __init__(self, ctx: zmq.Context, timeout: float, hidden_size: int, feature_sets: int = 1):
         self._ctx = ctx
         self._hidden = hidden_size
+        self._sets = feature_sets
         self._timeout = timeout
         self._clients: dict[str, RpcClient] = {}
         self.stats = FetchStats()
@@ -78,64 +89,63 @@ class MediaFetcher:
         if client is not None:
             client.close()
 
-    async def fetch(self, seq: Sequence, refs: list[ChunkRef], start: int, end: int) -> list[MediaRows]:
-        """Rows for the media tokens in ``[start, end)``; raises :class:`MissingEmbeddings`.
+    async def fetch(
+        self, refs: list[ChunkRef], ranges: list[tuple[int, int]], pinned: set[bytes]
+    ) -> FetchResult:
+        """Rows for the media tokens in ``ranges`` (each ``[start, end)``).
 
-        One fetch per distinct chunk, even when the prompt holds it twice (the same image sent
-        again): its hand-off pin is released by that single read.
+        One read per distinct chunk, even when the prompt holds it twice (the same image sent
+        again); a read of a chunk in ``pinned`` releases this request's hand-off pin there and
+        takes it out of ``pinned``. A chunk that cannot be read is reported in ``lost``, not raised.
         """
-        # (ref, first row, end row) of every chunk that overlaps [start, end)
+        # (ref, first row, end row) of every chunk part inside the ranges
         wanted = [
-            (r, max(start, r.start) - r.start, min(end, r.end) - r.start)
+            (r, max(lo, r.start) - r.start, min(hi, r.end) - r.start)
+            for lo, hi in ranges
             for r in refs
-            if r.end > start and r.start < end
+            if r.end > lo and r.start < hi
         ]
-        self.stats.chunks_skipped += sum(1 for r in refs if r.end <= start)
-        spans: dict[tuple[bytes, str], tuple[int, int, bool]] = {}  # rows to read per chunk
+        spans: dict[tuple[bytes, str], tuple[int, int]] = {}  # rows to read per chunk
         for r, lo, hi in wanted:
             old = spans.get((r.key, r.source))
-            spans[(r.key, r.source)] = (
-                (lo, hi, r.handoff)
-                if old is None
-                else (min(old[0], lo), max(old[1], hi), old[2] or r.handoff)
-            )
+            spans[(r.key, r.source)] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+        reads = list(spans.items())
         results = await asyncio.gather(
-            *(self._one(key, source, *rows) for (key, source), rows in spans.items()), return_exceptions=True
+            *(self._one(key, source, lo, hi, key in pinned) for (key, source), (lo, hi) in reads),
+            return_exceptions=True,
         )
-        missing = [
-            key for (key, _), res in zip(spans, results, strict=True) if isinstance(res, MissingEmbeddings)
-        ]
-        if missing:
-            raise MissingEmbeddings(missing)
-        for res in results:
+        read: dict[tuple[bytes, str], tuple[int, torch.Tensor]] = {}
+        lost: dict[bytes, str] = {}
+        for ((key, source), (lo, _)), res in zip(reads, results, strict=True):
             if isinstance(res, BaseException):
-                raise res
-        read = {ks: (rows[0], res) for (ks, rows), res in zip(spans.items(), results, strict=True)}
+                if not isinstance(res, Exception):
+                    raise res  # cancelled
+                lost[key] = _cause(res)
+            else:
+                read[(key, source)] = (lo, res)
+                pinned.discard(key)
         out = []
         for r, lo, hi in wanted:
-            first, rows = read[(r.key, r.source)]
-            out.append(MediaRows(r.start + lo, rows[lo - first : hi - first]))
-        return out
+            if (r.key, r.source) in read:
+                first, rows = read[(r.key, r.source)]
+                out.append(MediaRows(r.start + lo, rows[lo - first : hi - first]))
+        return FetchResult(out, lost)
 
     async def _one(self, key: bytes, source: str, lo: int, hi: int, release: bool) -> torch.Tensor:
         try:
             reply = await self.client(source).call(
                 FetchRequest(key, lo, hi, release=release), timeout=self._timeout
             )
-        except RemoteError as exc:
-            if exc.reply.code == "embedding_missing":
-                raise MissingEmbeddings([key]) from exc
-            raise
         except (TimeoutError, ConnectionError):
             self.forget(source)
             raise
         rows = reply.rows
-        if tuple(rows.shape) != (hi - lo, self._hidden) or not rows.is_floating_point():
-            raise RuntimeError(
-                f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {(hi - lo, self._hidden)}"
-            )
+        want = (hi - lo, self._sets, self._hidden)
+        if tuple(rows.shape) != want or not rows.is_floating_point():
+            raise RuntimeError(f"encoder {source} sent rows of shape {tuple(rows.shape)}, want {want}")
         self.stats.fetches += 1
         self.stats.rows += hi - lo
+        self.stats.feature_rows += (hi - lo) * self._sets
         return rows
 
     def close(self) -> None:

@@ -1,9 +1,13 @@
-"""M-RoPE positions of a prompt from its media spans (Qwen2-VL / Qwen2.5-VL).
+"""M-RoPE positions of a prompt from its media spans (every family in ``shared.family``).
 
 Text tokens advance all three axes together. An image or video places its
 tokens on a (t, h, w) grid starting at the current position; the text after it
 starts one past the largest position the grid used, as in the reference
-implementation (Qwen2-VL's ``get_rope_index`` and vLLM).
+implementation (Qwen2-VL's ``get_rope_index`` and vLLM). A Qwen3-VL video
+arrives as one single-chunk span per temporal chunk (timestamp text between
+them), so each chunk is laid out like an image, which is its reference rule;
+how the three axes share the rotary frequencies (interleaved for Qwen3-VL) is
+the text model's rotary class's business, not this module's.
 
 NOTE: transformers 5.24 advances by ``max(h, w) // merge`` after a video and so
 ignores the temporal extent; for videos with more temporal chunks than

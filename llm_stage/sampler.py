@@ -1,19 +1,31 @@
-"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-request seed."""
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling with a per-request seed.
+
+Rows whose request processes logits (penalties, bias, min_tokens, a grammar) are processed first,
+in place; a step without any such row runs exactly as before. ``logits`` is then the final
+distribution's input for every row.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from llm_stage import logits_processors
 from llm_stage.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits`` (float32, (len(seqs), vocab))."""
+    if any(s.matcher is not None or s.sampling.processes_logits for s in seqs):
+        with torch.inference_mode():  # the model's logits are inference tensors, updated in place
+            logits_processors.process(logits, seqs)
     out = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         sp = seq.sampling
         if not sp.greedy:
             out[i] = _sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, seq)
+    for seq, token in zip(seqs, out, strict=True):
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
     return out
 
 

@@ -1,26 +1,31 @@
-"""Continuous batching with chunked prefill, prefix reuse and preemption.
+"""Continuous batching with chunked prefill, prefix reuse, media rows as a resource, and preemption.
 
 Each step first serves running sequences (a decode token, or the next chunk
 of an unfinished prefill), then admits waiting ones while the token budget,
-the sequence cap and the block pool allow. A sequence that cannot get a block
-preempts the most recently admitted one, which goes back to the front of the
-queue and later resumes (its computed blocks usually still cached).
+the sequence cap and the block pool allow. Admission matches and allocates the
+cached prefix here, so nothing holds blocks for a sequence the scheduler has
+not admitted.
+
+Media rows (the embeddings that replace a prompt's placeholder tokens) are
+scheduled like blocks: a step covers only the tokens whose rows are present.
+A sequence whose rows are missing gets them asked for in the step's plan
+(:attr:`StepPlan.fetches`) and, once it cannot go further without them, waits
+in ``WAITING_FOR_MEDIA`` until they arrive. The first fetch after a prefix hit
+and the fetch after a preemption that lost part of the prefix are the same:
+whatever rows the next tokens need and the sequence lacks.
+
+A sequence that cannot get a block preempts the most recently admitted one,
+which goes back to the front of the queue and later resumes (its computed
+blocks usually still cached, its media rows kept).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from enum import Enum, auto
+from dataclasses import dataclass, field
 
-from llm_stage.block_manager import BlockManager, PrefixMatch
+from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
 from llm_stage.sequence import SeqStatus, Sequence
-
-
-class _Admit(Enum):
-    RUN = auto()
-    NO_ROOM = auto()
-    PARK = auto()  # needs media rows again before it can resume
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +38,52 @@ class StepOutput:
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StepItem:
+    """Tokens ``[start, end)`` of ``seq`` computed this step."""
+
+    seq: Sequence
+    start: int
+    end: int
+    # NOTE: the one place the rule is written: an item reaching the sequence's last token gives
+    # logits (its next token is sampled); every other item only fills the KV cache.
+    samples: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class RowsWanted:
+    """Media rows ``seq`` lacks for its prompt tokens in ``ranges``: the service fetches them."""
+
+    seq: Sequence
+    ranges: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step does, for the model runner and the service to carry out."""
+
+    items: list[StepItem] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)  # shared block starts, run before the forward
+    fetches: list[RowsWanted] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # first admissions (their prefix is known)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences whose next token this step samples, in item order."""
+        return [item.seq for item in self.items if item.samples]
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.starving: list[Sequence] = []  # parked: the service re-fetches their media rows
+        self.running: list[Sequence] = []  # admitted: RUNNING or WAITING_FOR_MEDIA
         self.num_preemptions = 0
 
     def has_work(self) -> bool:
@@ -49,70 +92,89 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        for queue in (self.waiting, self.starving):
-            for seq in queue:
-                if seq.seq_id == seq_id:
-                    queue.remove(seq)
-                    return self._finish(seq, "abort")
-        for seq in self.running:
-            if seq.seq_id == seq_id:
-                return self._finish(seq, "abort")
-        return None
+    def abort(self, seq: Sequence, reason: str = "abort") -> bool:
+        """End ``seq`` wherever it is; False if it had already finished."""
+        if seq.status is SeqStatus.FINISHED:
+            return False
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+        return True
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick ``(seq, num_tokens)`` to compute this step."""
+    def rows_arrived(self, seq: Sequence) -> None:
+        """``seq``'s fetch has added its rows: it may go on (a preempted one waits its turn)."""
+        seq.rows_pending = False
+        if seq.status is SeqStatus.WAITING_FOR_MEDIA:
+            seq.status = SeqStatus.RUNNING
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
         budget = self.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + n, batch):
+                continue  # waiting for its rows, or preempted earlier in this loop
+            n = self._chunk(seq, budget, plan)
+            if n == 0 or not self._reserve(seq, seq.num_computed_tokens + n, plan):
                 continue
-            batch.append((seq, n))
+            plan.items.append(self._item(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            verdict = self._admit(seq, budget)
-            if verdict is _Admit.NO_ROOM and not self.running and not batch and self._release_waiting_holds():
-                verdict = self._admit(seq, budget)
-            if verdict is _Admit.NO_ROOM:
+            if not self._admit(seq, budget, plan):
                 break
             self.waiting.popleft()
-            if verdict is _Admit.PARK:
-                self.starving.append(seq)
-                continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            self.blocks.grow(seq, seq.num_computed_tokens + n)
-            seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            batch.append((seq, n))
-            budget -= n
-        return batch
+            n = self._chunk(seq, budget, plan)
+            if n:
+                self.blocks.grow(seq, seq.num_computed_tokens + n)
+                plan.items.append(self._item(seq, n))
+                budget -= n
+        return plan
 
-    def _admit(self, seq: Sequence, budget: int) -> _Admit:
-        """Give ``seq`` its prefix blocks if the pool has room for them and its next chunk."""
-        size = self.blocks.block_size
-        if seq.block_table:  # the service already holds its cached prefix
-            if not self.blocks.can_grow(
-                seq, seq.num_computed_tokens + min(seq.num_uncomputed_tokens, budget)
-            ):
-                return _Admit.NO_ROOM
-        else:
-            match = self.match(seq)
-            if match.num_tokens(size) < seq.rows_floor:
-                # Resumed after preemption, but part of the prefix it never fetched rows for is gone.
-                return _Admit.PARK
-            if not self.blocks.can_allocate(match, min(seq.num_tokens - len(match.blocks) * size, budget)):
-                return _Admit.NO_ROOM
-            self.blocks.allocate(seq, match)
+    def _item(self, seq: Sequence, n: int) -> StepItem:
+        start = seq.num_computed_tokens
+        return StepItem(seq, start, start + n, start + n == seq.num_tokens)
+
+    def _chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """Tokens of ``seq`` to compute this step: within the budget, and only as far as its media
+        rows are present. Missing rows are asked for once; with none to compute, it waits."""
+        ready = seq.num_tokens
+        if seq.num_computed_tokens < seq.num_prompt_tokens:  # generated tokens need no rows
+            missing = seq.missing_rows(seq.num_computed_tokens)
+            if missing:
+                ready = missing[0][0]
+                if not seq.rows_pending:
+                    seq.rows_pending = True
+                    plan.fetches.append(RowsWanted(seq, missing))
+        n = min(seq.num_uncomputed_tokens, budget, ready - seq.num_computed_tokens)
+        seq.status = SeqStatus.RUNNING if n else SeqStatus.WAITING_FOR_MEDIA
+        return n
+
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> bool:
+        """Give ``seq`` its cached prefix if the pool has room for it and its next chunk."""
+        match = self.match(seq)
+        if not self._fits(seq, match, budget):
+            if match.partial is None:
+                return False
+            match = PrefixMatch(match.blocks)  # NOTE: a shared start saves compute, not room
+            if not self._fits(seq, match, budget):
+                return False
+        copy = self.blocks.allocate(seq, match)
+        if copy is not None:
+            plan.copies.append(copy)
+        seq.status = SeqStatus.RUNNING
         if seq.num_preemptions == 0:
             self.blocks.stats.queries += seq.num_prompt_tokens
             self.blocks.stats.hits += seq.num_cached_tokens
-        return _Admit.RUN
+            plan.admitted.append(seq)
+        return True
+
+    def _fits(self, seq: Sequence, match: PrefixMatch, budget: int) -> bool:
+        """Room for ``match`` and the first chunk after it."""
+        first_chunk = min(seq.num_tokens - match.num_tokens(self.blocks.block_size), budget)
+        return self.blocks.can_allocate(match, first_chunk)
 
     def match(self, seq: Sequence) -> PrefixMatch:
         """``seq``'s cached prefix; at least its last token is always computed (its logits give
@@ -122,22 +184,12 @@ class Scheduler:
         hashes = seq.update_block_hashes(self.blocks.block_size)
         return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.num_tokens - 1)
 
-    def _release_waiting_holds(self) -> bool:
-        """Nothing runs and the head cannot start: the prefixes other waiting sequences hold are
-        what fills the pool. Let them go (those sequences fetch their rows again when admitted)."""
-        released = False
-        for seq in list(self.waiting)[1:]:
-            if seq.block_table:
-                self.blocks.free_seq(seq)
-                released = True
-        return released
-
-    def _reserve(self, seq: Sequence, num_tokens: int, batch: list[tuple[Sequence, int]]) -> bool:
+    def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for ``seq``'s first ``num_tokens``, preempting newer sequences if needed."""
         while not self.blocks.can_grow(seq, num_tokens):
             victim = self.running[-1]
-            if any(victim is s for s, _ in batch):
-                victim = seq  # never undo work already in this step's batch
+            if any(victim is item.seq for item in plan.items):
+                victim = seq  # never undo work already in this step's plan
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -152,17 +204,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: list[tuple[Sequence, int]], tokens: list[int]) -> list[StepOutput]:
-        """Advance sequences after a forward; ``tokens`` holds one sample per sequence that reached
-        its last token this step, in batch order."""
+    def postprocess(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
+        """Advance sequences after a forward; ``tokens`` holds one sample per sampling item, in
+        plan order."""
         outputs: list[StepOutput] = []
         sampled = iter(tokens)
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-            reached_end = seq.num_computed_tokens == seq.num_tokens
+        for item in plan.items:
+            seq = item.seq
+            seq.num_computed_tokens = item.end
             if self.blocks.enable_caching:
                 self.blocks.commit(seq, seq.update_block_hashes(self.blocks.block_size))
-            if not reached_end:
+            if not item.samples:
                 continue
             token = next(sampled)
             seq.append_token(token)
@@ -177,11 +229,9 @@ class Scheduler:
             seq.seq_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, error
         )
 
-    def _finish(self, seq: Sequence, reason: str) -> Sequence:
-        if seq.status is SeqStatus.RUNNING:
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.WAITING_FOR_MEDIA):
             self.running.remove(seq)
-        if seq.block_table:  # running, or waiting with a held prefix
             self.blocks.free_seq(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        return seq

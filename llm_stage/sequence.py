@@ -2,27 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
+from llm_stage.positions import mrope_positions
 from shared.block_hash import BlockHash, block_hashes
 from shared.messages import MediaSpan, SamplingParams
 
 
 class SeqStatus(Enum):
-    WAITING = auto()
-    RUNNING = auto()
+    WAITING = auto()  # in the queue: holds no blocks
+    RUNNING = auto()  # admitted: holds its blocks, computed each step
+    WAITING_FOR_MEDIA = auto()  # admitted, but its next token needs media rows still being fetched
     FINISHED = auto()
 
 
 @dataclass(slots=True)
 class MediaRows:
-    """Embedding rows that replace the placeholder tokens ``[start, start + len(rows))``."""
+    """Embedding rows that replace the placeholder tokens ``[start, start + len(rows))``.
+
+    Feature set 0 replaces the tokens' embeddings; set ``1 + i`` (deepstack) is added to their
+    hidden states after decoder layer ``i``.
+    """
 
     start: int
-    rows: torch.Tensor  # (tokens, hidden)
+    rows: torch.Tensor  # (tokens, feature sets, hidden)
 
     @property
     def end(self) -> int:
@@ -48,11 +56,50 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_committed_blocks: int = 0  # leading blocks whose hashes are published
     num_preemptions: int = 0
-    rows_floor: int = 0  # media rows are present for every media token at or after this index
+    rows_pending: bool = False  # a fetch of its missing media rows is under way
+    probe_id: int = 0  # a probe's pin on its prefix, released once the scheduler has matched it
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
-    kv_copy: tuple[int, int, int] | None = None  # (source block, own block, tokens) still to copy
+    matcher: Any = None  # llguidance matcher of the request's grammar (fed every sampled token)
+    token_tensor: torch.Tensor | None = None  # token_ids for the penalties, grown as tokens come
+
+    @classmethod
+    def new(
+        cls,
+        seq_id: int,
+        prompt: list[int] | torch.Tensor,
+        spans: list[MediaSpan],
+        root_hash: BlockHash,
+        sampling: SamplingParams,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        tokens_per_second: float,
+        block_size: int = 0,
+        probe_id: int = 0,
+        media: list[MediaRows] | None = None,
+    ) -> Sequence:
+        """A new request's sequence: M-RoPE positions, stop ids and (``block_size`` > 0, the prefix
+        cache on) the prompt's block hashes, computed once here."""
+        token_ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        positions, delta = mrope_positions(len(token_ids), spans, tokens_per_second)
+        stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+        return cls(
+            seq_id=seq_id,
+            token_ids=token_ids,
+            num_prompt_tokens=len(token_ids),
+            positions=positions,
+            rope_delta=delta,
+            media=list(media or []),
+            spans=spans,
+            root_hash=root_hash,
+            sampling=sampling,
+            max_model_len=max_model_len,
+            stop_ids=frozenset(stop),
+            probe_id=probe_id,
+            # NOTE: later blocks (generated tokens) are hashed incrementally.
+            block_hashes=block_hashes(prompt, spans, block_size, root_hash) if block_size else [],
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +112,24 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def missing_rows(self, start: int) -> list[tuple[int, int]]:
+        """Ranges of prompt media tokens at or after ``start`` whose rows are not present."""
+        out: list[tuple[int, int]] = []
+        for lo, hi in media_ranges(self.spans):
+            pos = max(lo, start)
+            while pos < hi:
+                covered = _covered_until(self.media, pos)
+                if covered == pos:  # nothing at ``pos``: missing up to the next rows that start
+                    covered = min((r.start for r in self.media if pos < r.start < hi), default=hi)
+                    out.append((pos, covered))
+                pos = covered
+        return out
+
+    def rows_ready_until(self, start: int) -> int:
+        """The first token at or after ``start`` that needs media rows not present (else the end)."""
+        missing = self.missing_rows(start)
+        return missing[0][0] if missing else self.num_tokens
 
     def positions_for(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions (3, end - start) of tokens ``[start, end)``."""
@@ -92,6 +157,25 @@ class Sequence:
     def check_finished(self, token_id: int) -> str | None:
         if token_id in self.stop_ids:
             return "stop"
+        if self.matcher is not None and self.matcher.is_stopped():
+            return "stop"  # the grammar is complete: nothing but the end may follow
         if self.num_output_tokens >= self.sampling.max_tokens or self.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+
+def media_ranges(spans: list[MediaSpan]) -> list[tuple[int, int]]:
+    """The placeholder token ranges of the prompt's media items, in prompt order."""
+    return sorted((span.offset, span.offset + span.num_tokens) for span in spans)
+
+
+def _covered_until(media: list[MediaRows], at: int) -> int:
+    """How far present rows reach contiguously from token ``at`` (``at`` itself if no row covers it)."""
+    end = at
+    grew = True
+    while grew:
+        grew = False
+        for rows in media:
+            if rows.start <= end < rows.end:
+                end, grew = rows.end, True
+    return end

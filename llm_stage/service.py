@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-import zmq.asyncio
+import zmq
 
 from llm_stage.engine import Engine
-from llm_stage.media_fetch import ChunkRef, MediaFetcher, MissingEmbeddings, chunk_refs
-from llm_stage.positions import mrope_positions
+from llm_stage.grammar import GrammarCache, GrammarError
+from llm_stage.media_fetch import ChunkRef, MediaFetcher, chunk_refs
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import Sequence
 from llm_stage.validate import RequestError, validate, validate_probe
@@ -25,18 +28,37 @@ from shared.messages import (
     ErrorReply,
     GenerateChunk,
     GenerateRequest,
+    MediaSpan,
     NeedEncode,
     Ping,
     Pong,
     ProbeReply,
     ProbeRequest,
+    Reencoded,
     ReleaseHandoff,
     ReleaseProbe,
 )
-from shared.rpc import RemoteError, Responder
+from shared.rpc import Responder
 from shared.service import replica_id, run_stage
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.05  # how long a step that could run nothing waits for news before trying again
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """A generate request the stage is serving."""
+
+    seq: Sequence
+    reply: Responder
+    refs: list[ChunkRef]
+    pinned: set[bytes]  # chunks this request holds a hand-off pin for at their encoders
+    queue: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    repairs: int = 0
+    reencoded: asyncio.Future[Reencoded] | None = None  # while the processor re-encodes for it
+    failure: ErrorReply | None = None  # why it ended with an error, when that was not the engine
 
 
 class LLMService:
@@ -45,14 +67,15 @@ class LLMService:
         self.engine = engine
         self.fetcher = fetcher
         self.spec = engine.spec
+        self.grammars = GrammarCache(self.spec.path, engine.lm.vocab_size, list(self.spec.eos_token_ids))
         self._ids = itertools.count(1)
-        self._streams: dict[int, asyncio.Queue[StepOutput]] = {}
-        self._refs: dict[int, list[ChunkRef]] = {}
-        self._by_request: dict[tuple[bytes, int], int] = {}
+        self._live: dict[int, _Live] = {}  # seq id → request
+        self._by_request: dict[tuple[bytes, int], _Live] = {}  # (peer, request id) → request
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        self.repairs: Counter[str] = Counter()  # by cause
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -61,10 +84,14 @@ class LLMService:
         elif isinstance(msg, ReleaseProbe):
             self.engine.release_probe(msg.probe_id)
         elif isinstance(msg, Abort):
-            seq_id = self._by_request.get((reply.identity, msg.request_id))
-            if seq_id is not None:
-                self.engine.cancel(seq_id)
+            live = self._by_request.get((reply.identity, msg.request_id))
+            if live is not None:
+                self.engine.cancel(live.seq)
                 self._wakeup.set()
+        elif isinstance(msg, Reencoded):
+            live = self._by_request.get((reply.identity, msg.request_id))
+            if live is not None and live.reencoded is not None and not live.reencoded.done():
+                live.reencoded.set_result(msg)
         elif isinstance(msg, Ping):
             reply.send_nowait(self.pong())
         else:
@@ -83,7 +110,6 @@ class LLMService:
         stats, fetch = self.engine.blocks.stats, self.fetcher.stats
         info = {
             "max_model_len": self.engine.max_model_len,
-            "block_size": self.cfg.block_size,
             "prefix_cache": int(self.cfg.prefix_cache),
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
@@ -93,10 +119,21 @@ class LLMService:
             "free_blocks": self.engine.blocks.num_free_blocks,
             "embedding_fetches": fetch.fetches,
             "embedding_rows_fetched": fetch.rows,
+            "embedding_feature_rows_fetched": fetch.feature_rows,
             "chunks_skipped": fetch.chunks_skipped,
+            "repairs": sum(self.repairs.values()),
+            **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
+            "grammar_compiles": self.grammars.stats.compiles,
+            "grammar_cache_hits": self.grammars.stats.hits,
         }
         return Pong(
-            "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, id=replica_id()
+            "llm",
+            self.spec.name,
+            self.spec.weights_fingerprint,
+            self.engine.load,
+            info,
+            self.cfg.block_size,
+            id=replica_id(),
         )
 
     # --- probe ----------------------------------------------------------------------------
@@ -122,46 +159,21 @@ class LLMService:
     # --- generate -------------------------------------------------------------------------
 
     def _sequence(self, msg: GenerateRequest) -> Sequence:
-        token_ids = msg.prompt_token_ids.tolist()
-        root = root_hash(self.spec.weights_fingerprint, msg.salt)
-        positions, delta = mrope_positions(len(token_ids), msg.spans, self.spec.tokens_per_second)
         sp = msg.sampling
-        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.spec.eos_token_ids))
-        max_tokens = min(sp.max_tokens, self.engine.max_model_len - len(token_ids))
-        return Sequence(
+        return Sequence.new(
             seq_id=next(self._ids),
-            token_ids=token_ids,
-            num_prompt_tokens=len(token_ids),
-            positions=positions,
-            rope_delta=delta,
-            media=[],
+            prompt=msg.prompt_token_ids,
             spans=list(msg.spans),
-            root_hash=root,
-            sampling=dataclasses.replace(sp, max_tokens=max_tokens),
+            root_hash=root_hash(self.spec.weights_fingerprint, msg.salt),
+            sampling=dataclasses.replace(
+                sp, max_tokens=min(sp.max_tokens, self.engine.max_model_len - msg.prompt_token_ids.numel())
+            ),
             max_model_len=self.engine.max_model_len,
-            stop_ids=frozenset(stop),
-            # NOTE: hashed from the tensor now; later blocks (generated tokens) incrementally.
-            block_hashes=block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
-            if self.cfg.prefix_cache
-            else [],
+            eos_token_ids=self.spec.eos_token_ids,
+            tokens_per_second=self.spec.tokens_per_second,
+            block_size=self.cfg.block_size if self.cfg.prefix_cache else 0,
+            probe_id=msg.probe_id,
         )
-
-    async def _prepare(self, msg: GenerateRequest, seq: Sequence, refs: list[ChunkRef]) -> list[bytes]:
-        """Hold the cached prefix, then pull the media rows after it. Returns keys that are gone."""
-        cached = self.engine.hold_prefix(seq)
-        if msg.probe_id:
-            self.engine.release_probe(msg.probe_id)
-        skipped = [r for r in refs if r.end <= cached and r.handoff]
-        for source in {r.source for r in skipped}:
-            keys = [r.key for r in skipped if r.source == source]
-            await self.fetcher.client(source).notify(ReleaseHandoff(keys))
-        try:
-            seq.media = await self.fetcher.fetch(seq, refs, cached, seq.num_prompt_tokens)
-        except MissingEmbeddings as exc:
-            self.engine.drop(seq)
-            return exc.keys
-        seq.rows_floor = cached
-        return []
 
     async def _generate(self, msg: GenerateRequest, reply: Responder) -> None:
         try:
@@ -170,61 +182,137 @@ class LLMService:
             await reply.send(ErrorReply(exc.code, str(exc), 400))
             return
         if self.engine.load >= self.cfg.max_queue:
+            if msg.probe_id:
+                self.engine.release_probe(msg.probe_id)
             await reply.send(ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
             return
         seq = self._sequence(msg)
-        refs = chunk_refs(msg.spans, msg.sources, msg.handoff)
-        try:
-            missing = await self._prepare(msg, seq, refs)
-        except (RemoteError, TimeoutError, RuntimeError) as exc:
-            self.engine.drop(seq)
-            await reply.send(ErrorReply("encoder_unavailable", f"fetching embeddings failed: {exc}", 503))
-            return
-        except BaseException:
-            self.engine.drop(seq)
-            raise
-        if missing:
-            await reply.send(NeedEncode(missing))
-            return
-        await self._stream(seq, refs, reply, msg.stream)
-
-    async def _stream(self, seq: Sequence, refs: list[ChunkRef], reply: Responder, stream: bool) -> None:
-        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        if msg.sampling.grammar is not None:
+            # NOTE: compiled here, before the sequence is submitted: the engine's steps never wait on it.
+            try:
+                seq.matcher = await self.grammars.matcher(msg.sampling.grammar)
+            except GrammarError as exc:
+                if msg.probe_id:
+                    self.engine.release_probe(msg.probe_id)
+                await reply.send(ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400))
+                return
+        pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
+        live = _Live(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
         key = (reply.identity, reply.rid)
-        self._streams[seq.seq_id] = queue
-        self._refs[seq.seq_id] = refs
-        self._by_request[key] = seq.seq_id
-        self._ensure_loop()
-        self.engine.submit(seq)
-        self._wakeup.set()
+        self._live[seq.seq_id] = live
+        self._by_request[key] = live
+        try:
+            self._ensure_loop()
+            self.engine.submit(seq)
+            self._wakeup.set()
+            await self._stream(live, msg.stream)
+        finally:
+            self._live.pop(seq.seq_id, None)
+            self._by_request.pop(key, None)
+            for task in live.tasks:
+                task.cancel()
+            if seq.finish_reason is None:  # the caller is gone or we are stopping
+                self.engine.cancel(seq)
+                self._wakeup.set()
+            if live.pinned:
+                self._release_pins(live, list(live.pinned))
+
+    async def _stream(self, live: _Live, stream: bool) -> None:
         tokens: list[int] = []
-        last = None
+        while True:
+            outs = [await live.queue.get()]
+            while not live.queue.empty():
+                outs.append(live.queue.get_nowait())
+            last = outs[-1]
+            if last.finish_reason == "error":
+                error = live.failure or ErrorReply("engine_error", last.error or "generation failed", 500)
+                await live.reply.send(error)
+                return
+            tokens += [o.token_id for o in outs if o.token_id is not None]
+            if not stream and last.finish_reason is None:
+                continue  # one message at the end instead of one per step
+            chunk = GenerateChunk(tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens)
+            await live.reply.send(chunk, final=last.finish_reason is not None)
+            if last.finish_reason is not None:
+                return
+            tokens = []
+
+    # --- media rows -----------------------------------------------------------------------
+
+    def _admitted(self, seq: Sequence) -> None:
+        """``seq``'s cached prefix is known: chunks wholly inside it need no rows, let their pins go."""
+        live = self._live.get(seq.seq_id)
+        if live is None:
+            return
+        skipped = [r for r in live.refs if r.end <= seq.num_cached_tokens]
+        self.fetcher.stats.chunks_skipped += len(skipped)
+        self._release_pins(live, [r.key for r in skipped if r.key in live.pinned])
+
+    def _release_pins(self, live: _Live, keys: list[bytes]) -> None:
+        by_source: dict[str, list[bytes]] = {}
+        for r in live.refs:
+            if r.key in keys and r.key in live.pinned:
+                by_source.setdefault(r.source, []).append(r.key)
+        live.pinned.difference_update(keys)
+        for source, group in by_source.items():
+            self._spawn(self.fetcher.client(source).notify(ReleaseHandoff(list(dict.fromkeys(group)))))
+
+    async def _fetch(self, live: _Live, ranges: list[tuple[int, int]]) -> None:
+        """Fetch the rows ``live`` lacks; rows gone at their encoders are re-encoded by the
+        processor on the live request (a repair), at most ``--max-repairs`` times."""
+        seq, rows, todo = live.seq, [], ranges
         try:
             while True:
-                outs = [await queue.get()]
-                while not queue.empty():
-                    outs.append(queue.get_nowait())
-                last = outs[-1]
-                if last.finish_reason == "error":
-                    await reply.send(ErrorReply("engine_error", last.error or "generation failed", 500))
+                result = await self.fetcher.fetch(live.refs, todo, live.pinned)
+                rows += result.rows
+                if not result.lost:
+                    break
+                if not await self._repair(live, result.lost):
                     return
-                tokens += [o.token_id for o in outs if o.token_id is not None]
-                if not stream and last.finish_reason is None:
-                    continue  # one message at the end instead of one per step
-                chunk = GenerateChunk(
-                    tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens
-                )
-                await reply.send(chunk, final=last.finish_reason is not None)
-                if last.finish_reason is not None:
-                    return
-                tokens = []
+                todo = [
+                    (max(lo, r.start), min(hi, r.end))
+                    for lo, hi in ranges
+                    for r in live.refs
+                    if r.key in result.lost and r.end > lo and r.start < hi
+                ]
+            self.engine.add_rows(seq, rows)
+        except Exception as exc:
+            log.exception("fetching media rows for sequence %d failed", seq.seq_id)
+            live.failure = ErrorReply("media_unavailable", f"media rows could not be fetched: {exc}", 503)
+            self.engine.fail(seq, str(exc))
         finally:
-            self._streams.pop(seq.seq_id, None)
-            self._refs.pop(seq.seq_id, None)
-            self._by_request.pop(key, None)
-            if last is None or last.finish_reason is None:  # the caller is gone or we are stopping
-                self.engine.cancel(seq.seq_id)
-                self._wakeup.set()
+            self._wakeup.set()
+
+    async def _repair(self, live: _Live, lost: dict[bytes, str]) -> bool:
+        """Ask the processor to encode ``lost`` chunks again and wait for it; False if it ended."""
+        causes = Counter(lost.values())
+        if live.repairs >= self.cfg.max_repairs:
+            message = f"{len(lost)} chunk(s) kept vanishing from their encoders ({dict(causes)})"
+            live.failure = ErrorReply("encoder_churn", message + "; retry later", 503)
+            self.engine.fail(live.seq, message)
+            return False
+        live.repairs += 1
+        self.repairs.update(causes)
+        log.info("sequence %d: re-encoding %d chunk(s) (%s)", live.seq.seq_id, len(lost), dict(causes))
+        live.reencoded = asyncio.get_running_loop().create_future()
+        try:
+            cause = "unreachable" if "unreachable" in causes else "missing"
+            await live.reply.send(NeedEncode(list(lost), cause), final=False)
+            async with asyncio.timeout(self.cfg.repair_timeout):
+                done = await live.reencoded
+        except TimeoutError:
+            message = f"the processor did not re-encode {len(lost)} chunk(s) in {self.cfg.repair_timeout:g} s"
+            live.failure = ErrorReply("repair_timeout", message, 503)
+            self.engine.fail(live.seq, message)
+            return False
+        finally:
+            live.reencoded = None
+        if len(done.sources) == len(live.refs):
+            live.refs = [
+                dataclasses.replace(r, source=s) for r, s in zip(live.refs, done.sources, strict=True)
+            ]
+        live.pinned.update(done.keys)
+        return True
 
     # --- the engine loop ----------------------------------------------------------------
 
@@ -237,44 +325,60 @@ class LLMService:
         while True:
             if not self.engine.has_work():
                 await self._wakeup.wait()
-                self._wakeup.clear()
-                continue
-            outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            for out in outputs:
-                queue = self._streams.get(out.seq_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            for seq in self.engine.take_starving():
-                task = loop.create_task(self._refetch(seq))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            self._wakeup.clear()  # NOTE: before the step, so nothing sent during it is missed
+            try:
+                result = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception:
+                # NOTE: a bug, not a request's fault: end every request now rather than let its
+                # caller wait for the stage timeout.
+                log.exception("engine step failed; ending %d request(s)", len(self._live))
+                for live in self._live.values():
+                    live.queue.put_nowait(StepOutput(live.seq.seq_id, None, "error", 0, 0, "engine failure"))
+                raise
+            for out in result.outputs:
+                live = self._live.get(out.seq_id)
+                if live is not None:
+                    live.queue.put_nowait(out)
+            for seq in result.admitted:
+                self._admitted(seq)
+            for wanted in result.fetches:
+                live = self._live.get(wanted.seq.seq_id)
+                if live is not None:
+                    live.tasks.add(task := self._spawn(self._fetch(live, wanted.ranges)))
+                    task.add_done_callback(live.tasks.discard)
+                else:  # its caller is gone: the engine must not wait for rows nobody fetches
+                    self.engine.fail(wanted.seq, "the request's caller is gone")
+            if not result.computed and not result.outputs:
+                # Every admitted sequence waits for rows and none can be admitted: sleep until a
+                # command arrives (rows, a request, a cancel), or a probe's pin may have expired.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(IDLE_POLL_SECONDS):
+                        await self._wakeup.wait()
 
-    async def _refetch(self, seq: Sequence) -> None:
-        """A preempted sequence lost part of its cached prefix: fetch every media row it skipped."""
-        try:
-            rows = await self.fetcher.fetch(seq, self._refs.get(seq.seq_id, []), 0, seq.rows_floor)
-        except Exception as exc:
-            log.warning("sequence %d cannot resume: %s", seq.seq_id, exc)
-            self.engine.fail(seq, f"media rows vanished while the request was preempted: {exc}")
-        else:
-            seq.media = rows + seq.media
-            seq.rows_floor = 0
-            self.engine.submit(seq)
-        self._wakeup.set()
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def close(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
         self.fetcher.close()
+
+
+def _keys(spans: list[MediaSpan]) -> list[bytes]:
+    return [key for span in spans for key in span.chunk_keys]
 
 
 def run(cfg: LLMConfig) -> None:
     spec = ModelSpec.load(cfg.model)
 
-    async def make(ctx: zmq.asyncio.Context):
+    async def make(ctx: zmq.Context):
         engine = Engine(cfg, spec)
-        fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size)
+        fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size, spec.feature_sets)
         service = LLMService(cfg, engine, fetcher)
         return service.handle, service.quick, service.close
 

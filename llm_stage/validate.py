@@ -6,6 +6,8 @@ no peer can crash the engine or write garbage into shared KV blocks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from llm_stage.text_model import TextLM
@@ -27,7 +29,7 @@ def validate(msg: GenerateRequest, spec: ModelSpec, lm: TextLM, max_model_len: i
             "context_length_exceeded",
             f"prompt has {num_tokens} tokens; the model's context is {max_model_len} tokens",
         )
-    _check_sampling(msg)
+    _check_sampling(msg, lm.vocab_size)
     num_chunks = _check_spans(msg.prompt_token_ids, msg.spans, spec)
     if len(msg.sources) != num_chunks or len(msg.handoff) != num_chunks:
         raise RequestError("bad_spans", f"need one encoder source and hand-off flag per chunk ({num_chunks})")
@@ -47,7 +49,7 @@ def _check_prompt(ids: torch.Tensor, vocab_size: int) -> None:
         raise RequestError("bad_prompt", f"token ids must lie in [0, {vocab_size})")
 
 
-def _check_sampling(msg: GenerateRequest) -> None:
+def _check_sampling(msg: GenerateRequest, vocab_size: int) -> None:
     sp = msg.sampling
     if sp.max_tokens < 1:
         raise RequestError("bad_sampling", "max_tokens must be >= 1")
@@ -57,15 +59,34 @@ def _check_sampling(msg: GenerateRequest) -> None:
         raise RequestError("bad_sampling", "top_p must be in (0, 1]")
     if sp.top_k < 0:
         raise RequestError("bad_sampling", "top_k must be >= 0")
+    numbers = (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty)
+    if (
+        not all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers)
+        or sp.repetition_penalty <= 0
+    ):
+        raise RequestError("bad_sampling", "penalties must be finite numbers, repetition_penalty > 0")
+    if not isinstance(sp.logit_bias, dict) or not all(
+        isinstance(t, int) and 0 <= t < vocab_size and isinstance(b, (int, float)) and math.isfinite(b)
+        for t, b in sp.logit_bias.items()
+    ):
+        raise RequestError(
+            "bad_sampling", f"logit_bias maps token ids in [0, {vocab_size}) to finite numbers"
+        )
+    if not isinstance(sp.min_tokens, int) or sp.min_tokens < 0:
+        raise RequestError("bad_sampling", "min_tokens must be >= 0")
+    if sp.grammar is not None and not isinstance(sp.grammar, str):
+        raise RequestError("bad_sampling", "grammar must be a string")
 
 
 def _check_spans(ids: torch.Tensor, spans: list[MediaSpan], spec: ModelSpec) -> int:
     """Spans must cover their placeholder tokens without overlap; returns the number of chunks."""
     cursor = 0
     chunks = 0
-    for span in sorted(spans, key=lambda s: s.offset):
+    for span in spans:
         if span.modality not in ("image", "video") or span.offset < cursor:
-            raise RequestError("bad_spans", "media spans must be image/video and must not overlap")
+            raise RequestError(
+                "bad_spans", "media spans must be image/video, in prompt order and not overlapping"
+            )
         t, h, w = span.grid_thw
         if (
             span.merge_size != spec.spatial_merge_size

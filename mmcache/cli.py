@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmcache.tiny_model import TINY_MODEL_ARCHS
 from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
 
 
@@ -25,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny-model", help="generate the tiny test checkpoint offline")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", default="qwen2-vl", choices=("qwen2-vl", "qwen2.5-vl"))
+    tiny.add_argument("--arch", default="qwen2-vl", choices=TINY_MODEL_ARCHS)
 
     ping = sub.add_parser("ping", help="exit 0 when the stage at ADDRESS answers (health checks)")
     ping.add_argument("address", help="e.g. tcp://127.0.0.1:5556")

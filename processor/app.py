@@ -6,16 +6,14 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
-import uuid
 from collections.abc import AsyncIterator
 
-import orjson
-import zmq.asyncio
+import zmq
 from aiohttp import web
 
 from processor.body import load_body
-from processor.detokenizer import Detokenizer
+from processor.choices import choices
+from processor.cors import setup_cors
 from processor.dispatch import Dispatcher
 from processor.errors import APIError, error_body, error_middleware
 from processor.http_fetch import HttpFetcher, parse_networks
@@ -23,7 +21,8 @@ from processor.media_source import MediaSource
 from processor.pipeline import Pipeline, Prepared
 from processor.preprocess import Preprocessor
 from processor.prompt import PromptBuilder
-from processor.request import ChatRequest, parse_chat_request
+from processor.request import parse_chat_request
+from processor.responses import SSE_DONE, Completion, model_card, sse
 from processor.stages import StageClients
 from shared.checkpoint import ModelSpec
 from shared.config import ProcessorConfig, split_list
@@ -44,6 +43,8 @@ def init(cfg: ProcessorConfig) -> web.Application:
     """Build the app; stage clients and the media fetcher live as long as the app (cleanup_ctx)."""
     spec = ModelSpec.load(cfg.model)
     app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[error_middleware])
+    if cfg.allowed_origins:
+        setup_cors(app, split_list(cfg.allowed_origins))
     app[CONFIG] = cfg
     app[MODEL_NAME] = cfg.served_model_name or spec.name
     app[SLOTS] = asyncio.Semaphore(cfg.max_concurrent_requests)
@@ -51,7 +52,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
     prompts = PromptBuilder(spec)
 
     async def resources(app: web.Application):
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         stages = StageClients(ctx, split_list(cfg.encoder), split_list(cfg.llm))
         http = HttpFetcher(
             parse_networks(split_list(cfg.allowed_media_networks)),
@@ -72,15 +73,21 @@ def init(cfg: ProcessorConfig) -> web.Application:
     app.cleanup_ctx.append(resources)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)  # ids may contain "/"
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[MODEL_NAME]
-    card = {"id": name, "object": "model", "created": 0, "owned_by": "mmcache"}
-    return web.json_response({"object": "list", "data": [card]})
+    return web.json_response({"object": "list", "data": [model_card(request.app[MODEL_NAME])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != request.app[MODEL_NAME]:
+        raise _unknown_model(name, request.app[MODEL_NAME], None)
+    return web.json_response(model_card(name))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -152,34 +159,33 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     body, held = load_body(await request.read())
     req = parse_chat_request(body, held)
     if req.model != request.app[MODEL_NAME]:
-        raise APIError(
-            404,
-            f"model {req.model!r} does not exist; this server serves {request.app[MODEL_NAME]!r}",
-            "model_not_found",
-            "model",
-        )
+        raise _unknown_model(req.model, request.app[MODEL_NAME], "model")
     pipeline = request.app[PIPELINE]
     prepared = await pipeline.prepare(req)
-    detok = Detokenizer(pipeline.prompts.tokenizer, req.stop)
-    completion = _Completion(request.app[MODEL_NAME], req, prepared)
-    generation = request.app[DISPATCHER].generate(prepared)
+    try:
+        return await _respond(request, prepared)
+    finally:
+        pipeline.done(prepared)
+
+
+async def _respond(request: web.Request, prepared: Prepared) -> web.StreamResponse:
+    req = prepared.req
+    completion = Completion(request.app[MODEL_NAME], req, prepared, request.app[PIPELINE].prompts.tokenizer)
+    generation = choices(request.app[DISPATCHER], prepared)
     if req.stream:
-        return await _stream(request, generation, detok, completion)
+        return await _stream(request, generation, completion)
     async with contextlib.aclosing(generation):
-        async for chunk in generation:
-            completion.update(chunk)
-            detok.add(chunk.token_ids)
-            if detok.stopped:
-                completion.finish_reason = "stop"
-                break
-    return web.json_response(completion.body(detok.flush(), detok.token_ids))
+        async for index, chunk in generation:
+            completion.choices[index].update(chunk)
+            if completion.done:
+                break  # a stop string ended the last choice: the stage need not go on
+    return web.json_response(completion.body())
 
 
 async def _stream(
     request: web.Request,
-    generation: AsyncIterator[GenerateChunk],
-    detok: Detokenizer,
-    completion: _Completion,
+    generation: AsyncIterator[tuple[int, GenerateChunk]],
+    completion: Completion,
 ) -> web.StreamResponse:
     # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.
     try:
@@ -189,110 +195,37 @@ async def _stream(
         raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    await _sse(resp, completion.chunk({"role": "assistant", "content": ""}))
+    for choice in completion.choices:
+        await sse(resp, completion.chunk(choice, {"role": "assistant", "content": ""}))
     try:
-        chunk = first
-        while chunk is not None:
-            completion.update(chunk)
-            detok.add(chunk.token_ids)
-            if detok.stopped:
-                completion.finish_reason = "stop"
-            text = detok.flush() if completion.finish_reason else detok.safe_delta()
-            if text:
-                await _sse(resp, completion.chunk({"content": text}))
-            if completion.finish_reason:
+        item = first
+        while item is not None:
+            choice = completion.choices[item[0]]
+            if choice.finish_reason is None:
+                choice.update(item[1])
+                delta = choice.delta()
+                if delta:
+                    await sse(resp, completion.chunk(choice, delta))
+                if choice.finish_reason is not None:
+                    await sse(resp, completion.chunk(choice, {}, finish=True))
+            if completion.done:
                 break
-            chunk = await anext(generation, None)
-        await _sse(resp, completion.chunk({}, finish=True))
+            item = await anext(generation, None)
         if completion.req.include_usage:
-            await _sse(resp, completion.usage_chunk())
+            await sse(resp, completion.usage_chunk())
     except APIError as exc:
-        await _sse(resp, error_body(exc.status, exc.message, exc.code))
+        await sse(resp, error_body(exc.status, exc.message, exc.code))
     finally:
         await generation.aclose()
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp
 
 
-async def _sse(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
-
-
-class _Completion:
-    """Accumulates one completion's state and renders OpenAI response shapes."""
-
-    def __init__(self, model: str, req: ChatRequest, prepared: Prepared):
-        self.id = "chatcmpl-" + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.model = model
-        self.req = req
-        self.prepared = prepared
-        self.num_prompt_tokens = len(prepared.token_ids)
-        self.num_cached_tokens = 0
-        self.num_output_tokens = 0
-        self.finish_reason: str | None = None
-
-    def update(self, chunk) -> None:
-        self.num_output_tokens += len(chunk.token_ids)
-        self.num_cached_tokens = chunk.num_cached_tokens
-        if chunk.finish_reason is not None:
-            self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
-
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.num_prompt_tokens,
-            "completion_tokens": self.num_output_tokens,
-            "total_tokens": self.num_prompt_tokens + self.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-            "mm_cache": self.prepared.report.as_dict(),
-        }
-
-    def body(self, text: str, token_ids: list[int]) -> dict:
-        choice: dict = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": self.finish_reason or "stop",
-            "logprobs": None,
-        }
-        out = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
-        if self.req.return_token_ids:
-            choice["token_ids"] = token_ids
-            out["prompt_token_ids"] = self.prepared.token_ids
-        return out
-
-    def chunk(self, delta: dict, finish: bool = False) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": delta,
-                    "finish_reason": (self.finish_reason or "stop") if finish else None,
-                    "logprobs": None,
-                }
-            ],
-        }
-
-    def usage_chunk(self) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(),
-        }
+def _unknown_model(name: str, served: str, param: str | None) -> APIError:
+    return APIError(
+        404, f"model {name!r} does not exist; this server serves {served!r}", "model_not_found", param
+    )
 
 
 def run(cfg: ProcessorConfig) -> None:

@@ -1,17 +1,17 @@
-"""The stages' part of the lazy cascade (design.md, steps 4-6).
+"""The stages' part of the lazy cascade: route, encode what is missing, stream.
 
 Probe the LLM replicas and pick one; skip chunks its cached prefix already
 covers; ask each chunk's encoder which it lacks and send pixels for those
-only; then stream from the LLM stage, which pulls the rows it needs. If an
-embedding vanished meanwhile the LLM stage answers :class:`NeedEncode`, and we
-encode again from the pixels we still hold: slower, never wrong.
+only; then stream from the LLM stage, which pulls the rows it needs. If rows
+cannot be read when it needs them (evicted, never encoded because the cached
+prefix covered them and that prefix was evicted since, encoder gone), it asks
+with :class:`NeedEncode` on the live request, and we encode again from the
+pixels we hold until the request ends: slower, never wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from processor.errors import APIError
 from processor.pipeline import Prepared, sampling_params
 from processor.preprocess import Chunk
 from processor.stages import Route, StageClients
+from shared.media_spans import chunk_places
 from shared.messages import (
     EncodeItem,
     EncodeRequest,
@@ -30,12 +31,11 @@ from shared.messages import (
     LookupRequest,
     NeedEncode,
     ProbeRequest,
+    Reencoded,
 )
 from shared.rpc import RemoteError
 
 log = logging.getLogger(__name__)
-
-MAX_REPAIRS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,25 +53,26 @@ class Dispatcher:
     def __init__(self, stages: StageClients, timeout: float):
         self.stages = stages
         self.timeout = timeout
-        self.num_repairs = 0  # generate attempts answered with NeedEncode
+        self.num_repairs = 0  # NeedEncode answered: chunks encoded again for a live request
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
-        out = []
-        for span, layout in zip(prepared.spans, prepared.media, strict=True):
-            n = span.tokens_per_chunk
-            for i, chunk in enumerate(layout.chunks):
-                start = span.offset + i * n
-                out.append(
-                    _Placed(start, start + n, span.modality, chunk, self.stages.encoder_for(chunk.key))
-                )
-        return out
+        # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
+        chunks = {c.key: c for layout in prepared.media for c in layout.chunks}
+        return [
+            _Placed(p.start, p.end, p.span.modality, chunks[p.key], self.stages.encoder_for(p.key))
+            for p in chunk_places(prepared.spans)
+        ]
 
-    async def generate(self, prepared: Prepared) -> AsyncIterator[GenerateChunk]:
-        """Stream the chosen LLM replica's replies; leaving early aborts the generation."""
+    async def generate(
+        self, prepared: Prepared, index: int = 0, stream: bool = False
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream the chosen LLM replica's replies for choice ``index`` (``stream``: every step's
+        tokens as they come, even when the client waits for the whole answer); leaving early
+        aborts the generation."""
         ids = torch.tensor(prepared.token_ids, dtype=torch.int32)
         probe = ProbeRequest(ids, prepared.spans, prepared.salt)
         route = await self._guard(self.stages.route(probe, self.timeout))
-        sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len)
+        sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len, index)
         placed = self._placed(prepared)
         needed = [p for p in placed if p.end > route.probe.cached_tokens]
         prepared.report.prefix_skipped = len(placed) - len(needed)
@@ -85,39 +86,31 @@ class Dispatcher:
             salt=prepared.salt,
             probe_id=route.probe.probe_id,
             # Tokens are needed as they come only to stream them or to watch for stop strings.
-            stream=prepared.req.stream or bool(prepared.req.stop),
+            stream=stream or prepared.req.stream or bool(prepared.req.stop),
         )
-        for _ in range(MAX_REPAIRS + 1):
-            missing = None
-            async with contextlib.aclosing(self._stream(route, request)) as replies:
-                async for reply in replies:
-                    if isinstance(reply, NeedEncode):
-                        missing = set(reply.keys)
-                        break
-                    yield reply
-            if missing is None:
-                return
-            log.info("repairing %d chunk(s) that left their encoders", len(missing))
-            self.num_repairs += 1
-            # Redo step 5 for every chunk the LLM stage may pull: the lookup pins the ones still
-            # there again (the failed attempt's fetches released their pins) and the rest are
-            # encoded from the pixels we hold.
-            needed = [p for p in placed if p.end > route.probe.cached_tokens or p.chunk.key in missing]
-            await self._guard(self._ensure_encoded(prepared, needed))
-            request = dataclasses.replace(request, probe_id=0, handoff=_flags(placed, needed))
-        raise APIError(503, "embeddings kept vanishing from the encoders; retry later", "encoder_churn")
-
-    async def _stream(
-        self, route: Route, request: GenerateRequest
-    ) -> AsyncIterator[GenerateChunk | NeedEncode]:
         try:
             async with route.client.stream(request, timeout=self.timeout) as replies:
                 async for reply in replies:
-                    yield reply
+                    if isinstance(reply, NeedEncode):
+                        await self._repair(prepared, route, replies.rid, reply)
+                    else:
+                        yield reply
         except RemoteError as exc:
             raise as_api_error(exc) from exc
         except TimeoutError as exc:
             raise APIError(504, "the LLM stage did not answer in time", "stage_timeout") from exc
+
+    async def _repair(self, prepared: Prepared, route: Route, rid: int, need: NeedEncode) -> None:
+        """The LLM stage could not read some chunks' rows (evicted, never encoded because its cached
+        prefix covered them, encoder gone): encode them again from the pixels this request holds,
+        and tell it to go on. The LLM stage bounds how often one request may ask."""
+        log.info("repairing %d chunk(s) for a live request (%s)", len(need.keys), need.cause)
+        self.num_repairs += 1
+        placed = self._placed(prepared)  # NOTE: owners are chosen again: an encoder may have gone
+        missing = set(need.keys)
+        await self._guard(self._ensure_encoded(prepared, [p for p in placed if p.chunk.key in missing]))
+        sources = [p.source for p in placed]
+        await route.client.notify(Reencoded(rid, list(missing), sources))
 
     async def _ensure_encoded(self, prepared: Prepared, needed: list[_Placed]) -> None:
         """Lookup at each owning encoder (pins what it has), then encode what it lacks."""

@@ -8,13 +8,15 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 
-_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
+# NOTE: the ``type`` names OpenAI's API sends: every client error is an invalid request except
+# these; every 5xx is a server error.
+_CLIENT_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    if status >= 500:
+        return "server_error"
+    return _CLIENT_TYPES.get(status, "invalid_request_error")
 
 
 class APIError(Exception):
@@ -37,7 +39,7 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error"),
+            "type": error_type(status),
             "code": code,
             "param": param,
         }
@@ -63,7 +65,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason, exc.reason.lower().replace(" ", "_"))
+        message = f"{request.method} {request.path}: {exc.reason.lower()}"
+        return error_response(exc.status, message, exc.reason.lower().replace(" ", "_"))
     except Exception:
         log.exception("unhandled error for %s %s", request.method, request.path)
         return error_response(500, "internal server error", "internal_error")

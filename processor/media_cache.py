@@ -3,17 +3,21 @@
 A hit costs a hash of the raw bytes and a dict lookup: no decode, no resize.
 Concurrent misses on one key decode once (single flight); a failed decode is
 never cached.
+
+A live request holds its entries (:meth:`hold` / :meth:`release`): their pixels
+are what the LLM stage may ask it to encode again mid-request, so they are not
+evicted while held and stay inside the byte budget.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from processor.preprocess import MediaLayout
 from shared.keys import MediaKey
+from shared.single_flight import SingleFlight
 
 Make = Callable[[], Awaitable[MediaLayout]]
 
@@ -22,7 +26,7 @@ MAX_ALIASES = 1 << 16  # data: URL aliases kept (about 100 bytes each)
 
 
 @dataclass(slots=True)
-class CacheStats:
+class MediaCacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -33,10 +37,11 @@ class MediaCache:
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
         self._entries: OrderedDict[MediaKey, MediaLayout] = OrderedDict()
-        self._inflight: dict[MediaKey, asyncio.Future[MediaLayout]] = {}
+        self._flight: SingleFlight[MediaKey, MediaLayout] = SingleFlight()
         self._aliases: OrderedDict[bytes, MediaKey] = OrderedDict()
+        self._held: Counter[MediaKey] = Counter()  # entry → live requests holding it
         self.nbytes = 0
-        self.stats = CacheStats()
+        self.stats = MediaCacheStats()
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +65,7 @@ class MediaCache:
 
     def has(self, key: MediaKey) -> bool:
         """Held or being made: :meth:`get_or_make` will not call its ``make`` for ``key`` now."""
-        return key in self._entries or key in self._inflight
+        return key in self._entries or key in self._flight
 
     def get(self, key: MediaKey) -> MediaLayout | None:
         layout = self._entries.get(key)
@@ -69,15 +74,31 @@ class MediaCache:
         return layout
 
     def put(self, key: MediaKey, layout: MediaLayout) -> None:
+        """Keep ``layout``, evicting the least recently used entries no request holds; if held
+        entries leave no room, it is not kept."""
         size = _size(layout)
         if size > self.capacity or key in self._entries:
             return
         while self.nbytes + size > self.capacity:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= _size(old)
+            victim = next((k for k in self._entries if k not in self._held), None)
+            if victim is None:
+                return
+            self.nbytes -= _size(self._entries.pop(victim))
             self.stats.evictions += 1
         self._entries[key] = layout
         self.nbytes += size
+
+    def hold(self, key: MediaKey) -> bool:
+        """Keep ``key`` from eviction until :meth:`release`; False if it is not cached."""
+        if key not in self._entries:
+            return False
+        self._held[key] += 1
+        return True
+
+    def release(self, key: MediaKey) -> None:
+        self._held[key] -= 1
+        if self._held[key] <= 0:
+            del self._held[key]
 
     async def get_or_make(self, key: MediaKey, make: Make) -> tuple[MediaLayout, bool]:
         """The layout for ``key`` and whether it was a hit; ``make`` runs at most once per key at a time."""
@@ -89,25 +110,17 @@ class MediaCache:
         if layout is not None:
             self.stats.hits += 1
             return layout, True
-        pending = self._inflight.get(key)
-        if pending is not None:
+        if key in self._flight:
             self.stats.hits += 1
-            return await asyncio.shield(pending), True
-        self.stats.misses += 1
-        self.stats.decodes += 1
-        # NOTE: the work runs as its own task so that a cancelled first requester
-        # (client gone) does not fail the others waiting on the same key.
-        task = asyncio.get_running_loop().create_task(self._make(key, make))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
-        self._inflight[key] = task
-        return await asyncio.shield(task), False
+        else:
+            self.stats.misses += 1
+            self.stats.decodes += 1
+        layout, owner = await self._flight.run(key, lambda: self._make(key, make))
+        return layout, not owner
 
     async def _make(self, key: MediaKey, make: Make) -> MediaLayout:
-        try:
-            layout = await make()
-        finally:
-            self._inflight.pop(key, None)
-        self.put(key, layout)
+        layout = await make()
+        self.put(key, layout)  # NOTE: in the shared task: kept even if the first caller is gone
         return layout
 
 

@@ -7,6 +7,7 @@ bomb costs a header parse, not gigabytes.
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -127,6 +128,11 @@ def _check_pixels(width: int, height: int, limits: DecodeLimits, where: str, wha
         )
 
 
+# Decoders name the in-memory file they read ("cannot identify image file <_io.BytesIO object at 0x…>"):
+# that repr means nothing to a client.
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
 def _reason(exc: Exception) -> str:
-    text = str(exc).strip() or type(exc).__name__
+    text = _OBJECT_REPR.sub("", str(exc)).strip() or type(exc).__name__
     return text[:200]

@@ -1,7 +1,8 @@
 """The processor's own part of the lazy cascade: media bytes → layouts (cached) → prompt tokens.
 
 A media item costs a hash of its raw bytes and a cache lookup when seen
-before; only new media are decoded and resized (design.md, steps 1-3).
+before; only new media are decoded and resized. A request holds its entries
+until it ends: their pixels are what a mid-request repair encodes again.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from processor.preprocess import MediaLayout, Preprocessor
 from processor.prompt import PromptBuilder
 from processor.request import ChatRequest, MediaRef
 from shared.config import ProcessorConfig
-from shared.keys import data_url_alias, file_alias, media_key, uuid_media_key
+from shared.keys import MediaKey, data_url_alias, file_alias, media_key, uuid_media_key
 from shared.messages import MediaSpan, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,11 @@ class Prepared:
     media: list[MediaLayout]
     salt: str | None
     report: CacheReport = field(default_factory=CacheReport)
+    held: list[MediaKey] = field(default_factory=list)  # cache entries held until the request ends
 
 
-def sampling_params(req: ChatRequest, prompt_len: int, context: int) -> SamplingParams:
-    """Sampling for the LLM stage; refuses prompts that do not fit the context."""
+def sampling_params(req: ChatRequest, prompt_len: int, context: int, index: int = 0) -> SamplingParams:
+    """Sampling for the LLM stage (of choice ``index``); refuses prompts that do not fit the context."""
     if prompt_len >= context:
         raise bad_request(
             f"prompt is {prompt_len} tokens (media included); the model's context is {context} tokens",
@@ -73,9 +75,16 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int) -> Sampling
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
-        seed=req.seed,
+        # NOTE: choice i of a seeded request draws from seed + i: reproducible, and not n copies.
+        seed=None if req.seed is None else (req.seed + index) % (1 << 63),
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=dict(req.logit_bias),
+        min_tokens=req.min_tokens,
+        grammar=req.grammar,
     )
 
 
@@ -103,15 +112,35 @@ class Pipeline:
         report = CacheReport()
         # NOTE: --no-cache gives every request its own namespace, so no tier can share anything.
         salt = secrets.token_hex(16) if self.cfg.no_cache else req.cache_salt
-        if len(req.media) == 1:  # NOTE: no task (and no extra event-loop turn) for a single item
-            media = [await self._media(req.media[0], salt, report)]
-        else:
-            media = list(await asyncio.gather(*(self._media(ref, salt, report) for ref in req.media)))
-        token_ids, spans = self.prompts.build(req.messages, media)
-        return Prepared(req, token_ids, spans, media, salt, report)
+        held: list[MediaKey] = []
+        try:
+            if len(req.media) == 1:  # NOTE: no task (and no extra event-loop turn) for a single item
+                media = [await self._media(req.media[0], salt, report, held)]
+            else:
+                media = list(
+                    await asyncio.gather(*(self._media(ref, salt, report, held) for ref in req.media))
+                )
+            tools = req.tools.functions if req.tools is not None else None
+            token_ids, spans = self.prompts.build(req.messages, media, tools)
+        except BaseException:
+            self._release(held)
+            raise
+        return Prepared(req, token_ids, spans, media, salt, report, held)
 
-    async def _media(self, ref: MediaRef, salt: str | None, report: CacheReport) -> MediaLayout:
-        """Layout of one media item: a cache hit costs a hash of its bytes (or its uuid) and a lookup."""
+    def done(self, prepared: Prepared) -> None:
+        """The request has ended: its media cache entries may be evicted again."""
+        self._release(prepared.held)
+        prepared.held.clear()
+
+    def _release(self, keys: list[MediaKey]) -> None:
+        for key in keys:
+            self.cache.release(key)
+
+    async def _media(
+        self, ref: MediaRef, salt: str | None, report: CacheReport, held: list[MediaKey]
+    ) -> MediaLayout:
+        """Layout of one media item: a cache hit costs a hash of its bytes (or its uuid) and a lookup.
+        The entry is held (appended to ``held``) until the request ends."""
         fp = self.pre.fingerprint
         data: bytes | None = None
         if ref.uuid is not None:
@@ -154,6 +183,8 @@ class Pipeline:
             return await loop.run_in_executor(self._media_pool, self._decode, ref, raw, salt)
 
         layout, hit = await self.cache.get_or_make(key, make)
+        if self.cache.hold(key):
+            held.append(key)
         if hit:
             report.processor_hits += 1
         else:

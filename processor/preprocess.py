@@ -5,9 +5,11 @@ uint8 pixels sent to the encoder are exactly those the HF processor would
 normalise. An image is one chunk; a video is one chunk per temporal patch
 (``temporal_patch_size`` frames), keyed by its decoded pixels.
 
-NOTE: the per-frame video size never depends on the number of frames (we pass
-``cap_pixels_per_frame=False``), so a longer recording of a clip yields the
-same first chunks.
+NOTE: for Qwen2-VL and Qwen2.5-VL the per-frame video size never depends on the
+number of frames (we pass ``cap_pixels_per_frame=False``), so a longer recording of
+a clip yields the same first chunks. Qwen3-VL's video budget covers all frames
+together: below it the same holds; a clip long enough to exceed it is resized
+smaller as a whole, and its chunks are then new ones (never wrongly shared).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoVideoProcessor
 
 from processor.media_decode import DecodedVideo
+from shared.family import video_timestamps
 from shared.keys import ChunkKey, Fingerprint, chunk_key, fingerprint
 
 
@@ -36,6 +39,7 @@ class MediaLayout:
     chunks: list[Chunk]
     seconds_per_chunk: float
     merge_size: int
+    timestamps: tuple[float, ...] = ()  # video: time of each chunk (shown in Qwen3-VL prompts)
 
     @property
     def num_tokens(self) -> int:
@@ -77,8 +81,11 @@ class Preprocessor:
         proc = self.video_proc
         tp = self.temporal_patch
         frames = torch.from_numpy(video.frames).permute(0, 3, 1, 2)  # (T, 3, H, W)
-        if pad := -frames.shape[0] % tp:
-            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        num_frames = frames.shape[0]
+        # NOTE: resized before the padding, as the reference does (Qwen3-VL's size depends on the
+        # frame count); a clip shorter than one temporal patch is padded first (it needs tp frames).
+        if num_frames < tp:
+            frames = torch.cat([frames, frames[-1:].expand(tp - num_frames, -1, -1, -1)])
         resized = proc.resize(
             frames[None],
             size=proc.size,
@@ -86,13 +93,17 @@ class Preprocessor:
             factor=proc.patch_size * proc.merge_size,
             temporal_factor=tp,
             cap_pixels_per_frame=False,
-        )[0].contiguous()
+        )[0]
+        if pad := -resized.shape[0] % tp:
+            resized = torch.cat([resized, resized[-1:].expand(pad, -1, -1, -1)])
+        resized = resized.contiguous()
         chunks = []
         for start in range(0, resized.shape[0], tp):
             pixels = resized[start : start + tp]
             chunks.append(Chunk(chunk_key(salt, pixels.numpy(), pixels.shape, self.fingerprint), pixels))
         grid = (len(chunks), resized.shape[2] // proc.patch_size, resized.shape[3] // proc.patch_size)
-        return MediaLayout("video", grid, chunks, tp / video.fps, proc.merge_size)
+        times = tuple(video_timestamps(num_frames, video.fps, tp))
+        return MediaLayout("video", grid, chunks, tp / video.fps, proc.merge_size, times)
 
 
 def _settings(prefix: str, proc) -> list[tuple[str, object]]:

@@ -1,4 +1,10 @@
-"""Token ids and media spans of a chat: the checkpoint's chat template, then placeholder expansion."""
+"""Token ids and media spans of a chat: the checkpoint's chat template, then placeholder expansion.
+
+The family decides the placeholder layout (:mod:`shared.family`): an image, and a video of
+Qwen2-VL / Qwen2.5-VL, is one run of pad tokens and one span; a Qwen3-VL video is one run
+per temporal chunk, each after its timestamp text and between vision start/end tokens
+(the reference processor's expansion), and each its own single-chunk span.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from transformers import AutoProcessor
 from processor.errors import bad_request
 from processor.preprocess import MediaLayout
 from shared.checkpoint import ModelSpec
+from shared.family import timestamp_text
 from shared.messages import MediaSpan
 
 
@@ -21,6 +28,9 @@ class PromptBuilder:
         if not self.chat_template:
             raise ValueError(f"{spec.path} has no chat template")
         self.pad_ids = {"image": spec.image_token_id, "video": spec.video_token_id}
+        self.timestamped_video = spec.family.timestamped_video
+        self._vision_start = spec.config.get("vision_start_token_id")
+        self._vision_end = spec.config.get("vision_end_token_id")
         self._pad_texts = [self.tokenizer.convert_ids_to_tokens(i) for i in self.pad_ids.values()]
         added = sorted(
             (t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special),
@@ -31,7 +41,7 @@ class PromptBuilder:
         self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
         self._encode_piece = lru_cache(maxsize=4096)(self._encode_text)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         for msg in messages:
             parts = msg["content"] if isinstance(msg["content"], list) else [{"text": msg["content"]}]
             for part in parts:
@@ -40,8 +50,16 @@ class PromptBuilder:
                         "message text must not contain the model's media placeholder tokens",
                         "invalid_content",
                     )
+        if tools and "tools" not in self.chat_template:
+            raise bad_request(
+                "this model's chat template has no tool format", "unsupported_parameter", "tools"
+            )
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+            messages,
+            tools=[{"type": "function", "function": fn} for fn in tools] if tools else None,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -64,9 +82,11 @@ class PromptBuilder:
     def _encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def build(self, messages: list[dict], media: list[MediaLayout]) -> tuple[list[int], list[MediaSpan]]:
+    def build(
+        self, messages: list[dict], media: list[MediaLayout], tools: list[dict] | None = None
+    ) -> tuple[list[int], list[MediaSpan]]:
         """Prompt token ids with each media placeholder expanded to its tokens, and the spans."""
-        ids = self.encode(self.render(messages))
+        ids = self.encode(self.render(messages, tools))
         by_id = {v: k for k, v in self.pad_ids.items()}
         out: list[int] = []
         spans: list[MediaSpan] = []
@@ -79,6 +99,9 @@ class PromptBuilder:
             layout = next(items, None)
             if layout is None or layout.modality != modality:
                 raise bad_request("the chat template's media placeholders do not match the request's media")
+            if modality == "video" and self.timestamped_video:
+                self._timestamped(layout, token, out, spans)
+                continue
             spans.append(
                 MediaSpan(
                     offset=len(out),
@@ -93,3 +116,28 @@ class PromptBuilder:
         if next(items, None) is not None:
             raise bad_request("the chat template's media placeholders do not match the request's media")
         return out, spans
+
+    def _timestamped(self, layout: MediaLayout, pad: int, out: list[int], spans: list[MediaSpan]) -> None:
+        """Expand a video placeholder chunk by chunk: ``<t seconds>``, vision start, pads, vision end.
+
+        NOTE: the timestamp text sits between two special tokens, so it is tokenized on its own,
+        as in the reference's whole-prompt tokenization; a chunk's text depends only on its own
+        frame times, so a growing video keeps the tokens of its leading chunks.
+        """
+        _, h, w = layout.grid_thw
+        per_chunk = h * w // (layout.merge_size * layout.merge_size)
+        for chunk, seconds in zip(layout.chunks, layout.timestamps, strict=True):
+            out += self._encode_piece(timestamp_text(seconds))
+            out.append(self._vision_start)
+            spans.append(
+                MediaSpan(
+                    offset=len(out),
+                    modality="video",
+                    grid_thw=(1, h, w),
+                    chunk_keys=[chunk.key],
+                    seconds_per_chunk=layout.seconds_per_chunk,
+                    merge_size=layout.merge_size,
+                )
+            )
+            out += [pad] * per_chunk
+            out.append(self._vision_end)

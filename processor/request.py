@@ -8,9 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from processor.errors import bad_request
+from processor.structured import response_format_grammar, tool_call_grammar
+from processor.tools import Tools, parse_tools, template_tool_calls
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # most choices one request may ask for
+MAX_LOGIT_BIAS = 300  # most entries in logit_bias (OpenAI's limit)
+# Fields OpenAI's API defines that change the answer and that this server does not implement: a 400
+# names them rather than answering as if they were absent.
+UNSUPPORTED = ("audio", "modalities", "prediction", "web_search_options", "functions", "function_call")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,14 @@ class ChatRequest:
     include_usage: bool = False
     cache_salt: str | None = None
     return_token_ids: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    grammar: str | None = None  # llguidance grammar the answer must follow (structured output, tools)
+    tools: Tools | None = None
 
 
 def parse_chat_request(body: Any, held: Mapping[str, memoryview] | None = None) -> ChatRequest:
@@ -78,6 +93,26 @@ def parse_chat_request(body: Any, held: Mapping[str, memoryview] | None = None) 
         raise bad_request("'cache_salt' must be a non-empty string", "invalid_cache_salt", "cache_salt")
     req.cache_salt = salt
     req.return_token_ids = _bool(body, "return_token_ids")
+    req.n = int(_number(body, "n", 1, 1, MAX_N, integer=True))
+    req.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    req.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True)
+    req.logit_bias = _logit_bias(body.get("logit_bias"))
+    req.min_tokens = int(_number(body, "min_tokens", 0, 0, 1 << 31, integer=True))
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise bad_request("'min_tokens' must not exceed max_tokens", "invalid_min_tokens", "min_tokens")
+    req.grammar = response_format_grammar(body.get("response_format"))
+    req.tools = parse_tools(body)
+    if req.tools is not None and req.tools.choice == "none":
+        req.tools = None  # NOTE: OpenAI then answers in text, as if no tools were given
+    if req.tools is not None and req.tools.constrained:
+        if req.grammar is not None:
+            raise bad_request(
+                "'response_format' and a required tool_choice cannot both constrain the answer",
+                "invalid_tool_choice",
+                "tool_choice",
+            )
+        req.grammar = tool_call_grammar(req.tools.constrained, req.tools.parallel)
     _unsupported(body)
     return req
 
@@ -96,20 +131,28 @@ def _parse_messages(raw: Any, held: Mapping[str, memoryview]) -> tuple[list[dict
             raise bad_request(
                 f"{where}.role {role!r} is not one of {', '.join(ROLES)}", "invalid_role", where
             )
+        if role == "developer":
+            role = "system"  # OpenAI's newer name for the system turn
         content = msg.get("content")
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
+            out: dict = {"role": role, "content": content}
+        elif isinstance(content, list):
+            parts = [
+                _parse_part(part, f"{where}.content[{j}]", role, media, held)
+                for j, part in enumerate(content)
+            ]
+            out = {"role": role, "content": parts}
+            if role == "tool":  # templates render a tool result as text
+                out["content"] = "".join(p.get("text", "") for p in parts)
+        else:
             raise bad_request(
                 f"{where}.content must be a string or a list of parts", "invalid_content", where
             )
-        parts = [
-            _parse_part(part, f"{where}.content[{j}]", role, media, held) for j, part in enumerate(content)
-        ]
-        messages.append({"role": role, "content": parts})
+        if role == "assistant" and msg.get("tool_calls"):
+            out["tool_calls"] = template_tool_calls(msg["tool_calls"], where)
+        messages.append(out)
     return messages, media
 
 
@@ -206,17 +249,42 @@ def _int_list(body: dict, name: str) -> list[int]:
     return value
 
 
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to numbers",
+            "invalid_logit_bias",
+            "logit_bias",
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)  # JSON object keys are strings
+        except (TypeError, ValueError):
+            token = -1
+        if (
+            token < 0
+            or not isinstance(bias, (int, float))
+            or isinstance(bias, bool)
+            or not -100 <= bias <= 100
+        ):
+            raise bad_request(
+                f"logit_bias[{key!r}]: keys are token ids, values numbers in [-100, 100]",
+                "invalid_logit_bias",
+                "logit_bias",
+            )
+        out[token] = float(bias)
+    return out
+
+
 def _unsupported(body: dict) -> None:
-    n = body.get("n", 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", "unsupported_n", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise bad_request(f"'{name}' is not supported", "unsupported_parameter", name)
     if body.get("logprobs") or body.get("top_logprobs"):
         raise bad_request("logprobs are not supported", "unsupported_parameter", "logprobs")
-    if body.get("tools"):
-        raise bad_request("tools are not supported", "unsupported_parameter", "tools")
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported", "unsupported_parameter", name)
 
 
 __all__ = ["ChatRequest", "MediaRef", "parse_chat_request"]

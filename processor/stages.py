@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-import zmq.asyncio
+import zmq
 
 from shared.block_hash import block_hashes, root_hash
 from shared.discovery import Replica, ReplicaSet, Resolver, dns_resolve
@@ -57,7 +57,7 @@ class _Clients(Mapping[str, RpcClient]):
 class StageClients:
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: zmq.Context,
         encoders: list[str],
         llms: list[str],
         resolver: Resolver = dns_resolve,
@@ -92,7 +92,7 @@ class StageClients:
                     await self.llm_set.ping(replica, timeout)
                 if replica.pong is not None:
                     pong = replica.pong
-                    self._kv_identity = (pong.fingerprint, int(pong.info["block_size"]))
+                    self._kv_identity = (pong.fingerprint, pong.block_size)
                     break
         return self._kv_identity
 

@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from shared.keys import Fingerprint, hash_fields, salt_bytes
+from shared.media_spans import chunk_places
 from shared.messages import MediaSpan
 
 BlockHash = NewType("BlockHash", bytes)
@@ -62,29 +63,21 @@ def block_hashes(
     return hashes
 
 
-def _span_offset(span: MediaSpan) -> int:
-    return span.offset
-
-
 def _add_media(payloads: list[bytes], blocks: np.ndarray, spans: Sequence[MediaSpan], base: int) -> None:
     """Append to every block's payload, for each chunk overlapping it in prompt order,
     (chunk key, block start - chunk start). ``payloads[0]`` starts at token ``base``."""
     block_size = blocks.dtype.itemsize // 4
     count = len(payloads)
     runs, parts, offsets, keys = [], [], [], []  # per chunk: its block range; per (chunk, block) pair
-    for span in sorted(spans, key=_span_offset):
-        n = span.tokens_per_chunk
-        start = span.offset - base
-        for key in span.chunk_keys:
-            end = start + n
-            lo = start // block_size if start > 0 else 0
-            hi = min(-(-end // block_size), count)
-            if hi > lo:
-                runs.append((lo, hi))
-                parts.append(blocks[lo:hi])
-                offsets += range(lo * block_size - start, hi * block_size - start, block_size)
-                keys += [key] * (hi - lo)
-            start = end
+    for chunk in chunk_places(spans):
+        start, end = chunk.start - base, chunk.end - base
+        lo = start // block_size if start > 0 else 0
+        hi = min(-(-end // block_size), count)
+        if hi > lo:
+            runs.append((lo, hi))
+            parts.append(blocks[lo:hi])
+            offsets += range(lo * block_size - start, hi * block_size - start, block_size)
+            keys += [chunk.key] * (hi - lo)
     if not runs:
         return
     records = np.empty(

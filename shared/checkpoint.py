@@ -1,4 +1,4 @@
-"""The model family (Qwen2-VL, Qwen2.5-VL) as the stages see it: facts from a checkpoint directory.
+"""A checkpoint as the stages see it: its family (:mod:`shared.family`) and facts from its directory.
 
 Each stage reads only what it needs: the encoder the vision weights, the LLM
 stage the text weights; both via :func:`load_weights`, which opens the
@@ -18,13 +18,14 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from shared.family import FAMILIES, ModelFamily
 from shared.keys import Fingerprint, fingerprint
 
-ARCHS = {"qwen2_vl": "qwen2-vl", "qwen2_5_vl": "qwen2.5-vl"}
+ARCHS = {f.model_type: f.arch for f in FAMILIES.values()}
 
 
 class CheckpointError(ValueError):
-    """The directory is not a usable Qwen2-VL-family checkpoint."""
+    """The directory is not a checkpoint of a family mmcache serves."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class ModelSpec:
     """What every stage must agree on about one checkpoint."""
 
     path: Path
-    model_type: str  # "qwen2_vl" | "qwen2_5_vl"
+    model_type: str  # a key of shared.family.FAMILIES
     config: dict
     eos_token_ids: tuple[int, ...]
 
@@ -64,6 +65,10 @@ class ModelSpec:
         return {**self.config, **self.config.get("text_config", {})}
 
     @property
+    def family(self) -> ModelFamily:
+        return FAMILIES[self.model_type]
+
+    @property
     def vision_config(self) -> dict:
         return self.config["vision_config"]
 
@@ -81,8 +86,14 @@ class ModelSpec:
 
     @property
     def tokens_per_second(self) -> float:
-        """Qwen2.5-VL spaces video frames in M-RoPE by time; Qwen2-VL by frame index."""
-        return self.vision_config.get("tokens_per_second", 0) if self.model_type == "qwen2_5_vl" else 0
+        """Qwen2.5-VL spaces video frames in M-RoPE by time; the others by chunk index (0 here)."""
+        return self.vision_config.get("tokens_per_second", 0) if self.family.time_spaced_video else 0
+
+    @property
+    def feature_sets(self) -> int:
+        """Rows per visual token the encoder returns: the merged embedding, then one per deepstack layer."""
+        deepstack = self.vision_config.get("deepstack_visual_indexes", ()) if self.family.deepstack else ()
+        return 1 + len(deepstack)
 
     @property
     def max_position_embeddings(self) -> int:

@@ -134,11 +134,15 @@ class LLMConfig:
     max_model_len: int = opt(0, "longest prompt + output in tokens (0 = the model's max_position_embeddings)")
     max_num_seqs: int = opt(64, "most sequences decoded together")
     max_num_batched_tokens: int = opt(2048, "most tokens in one engine step (longer prefills are chunked)")
-    kv_cache_gb: float = opt(0.5, "memory for the paged KV cache, GiB")
+    kv_cache_gb: float = opt(
+        0.0, "memory for the paged KV cache, GiB (0 = auto: 90% of free device memory on CUDA, 0.5 on CPU)"
+    )
     block_size: int = opt(16, "tokens per KV block (and per prefix-cache hash)")
     num_kv_blocks: int = opt(0, "KV blocks in the pool (0 = as many as --kv-cache-gb holds)")
     max_queue: int = opt(1024, "most requests waiting; more are refused with 503")
     fetch_timeout: float = opt(30.0, "seconds to wait for embedding rows from an encoder")
+    max_repairs: int = opt(3, "times one request may ask the processor to re-encode rows its encoders lost")
+    repair_timeout: float = opt(120.0, "seconds to wait for the processor to re-encode lost rows")
     torch_threads: int = opt(0, "torch intra-op CPU threads (0 = torch's default: every core)")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
     no_prefix_cache: bool = opt(False, "disable the KV prefix cache only")
@@ -147,12 +151,14 @@ class LLMConfig:
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
-            "kv_cache_gb",
             "block_size",
             "max_queue",
             "fetch_timeout",
+            "repair_timeout",
         ):
             _positive(name, getattr(self, name))
+        _positive("kv_cache_gb", self.kv_cache_gb, allow_zero=True)
+        _positive("max_repairs", self.max_repairs, allow_zero=True)
         _positive("max_model_len", self.max_model_len, allow_zero=True)
         _positive("num_kv_blocks", self.num_kv_blocks, allow_zero=True)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
@@ -188,6 +194,9 @@ class ProcessorConfig:
     workers: int = opt(1, "processor processes on the one HTTP port (SO_REUSEPORT), each with its own caches")
     torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
+    allowed_origins: str = opt(
+        "", "origins whose web pages may call the API (CORS), comma separated; * for any"
+    )
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
 
     def __post_init__(self) -> None:

@@ -28,7 +28,8 @@ class Pong:
     model: str
     fingerprint: bytes
     load: int = 0  # requests queued or running
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # counters, for people (metrics), never for routing
+    block_size: int = 0  # an LLM replica's KV block size (routing hashes blocks of this size)
     id: str = ""  # the replica's own stable id (shared.service.replica_id): routing keys on it
 
 
@@ -93,8 +94,7 @@ class EncodeRequest:
 @message
 @dataclass(frozen=True, slots=True)
 class EncodeReply:
-    num_encoded: int  # chunks this request's forwards computed
-    num_reused: int  # chunks already cached or computed by a concurrent request
+    """Every item of the request is cached at the encoder (and pinned for hand-off if asked)."""
 
 
 @message
@@ -111,7 +111,7 @@ class FetchRequest:
 @message
 @dataclass(frozen=True, slots=True)
 class FetchReply:
-    rows: torch.Tensor  # (end - start, hidden)
+    rows: torch.Tensor  # (end - start, feature sets, hidden)
 
 
 @message
@@ -160,10 +160,28 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Logits processing, all off by default (a request that leaves them off pays nothing).
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF's: prompt and output tokens' logits divided (or times) by it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
+    min_tokens: int = 0  # stop tokens are banned until this many tokens are generated
+    grammar: str | None = None  # llguidance grammar the output must follow
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does anything change the logits before sampling (the grammar is tracked on its own)?"""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @message
@@ -223,9 +241,23 @@ class GenerateChunk:
 @message
 @dataclass(frozen=True, slots=True)
 class NeedEncode:
-    """Final reply instead of tokens: these chunks vanished from their encoders; encode and retry."""
+    """Mid-stream (not final): the rows of these chunks could not be read at their encoders
+    (evicted, never encoded because a cached prefix covered them, encoder gone). The request
+    stays alive: encode them again and answer with :class:`Reencoded`."""
 
     keys: list[bytes]
+    cause: str = "missing"  # "missing" | "unreachable"
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Reencoded:
+    """Processor → LLM stage, for a live generate request: the chunks of its :class:`NeedEncode`
+    are at their encoders again (and pinned for this request)."""
+
+    request_id: int  # the generate request's id on this connection
+    keys: list[bytes]
+    sources: list[str]  # encoder address per chunk, as in GenerateRequest (owners may have moved)
 
 
 @message

@@ -10,7 +10,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 
-import zmq.asyncio
+import zmq
 
 from shared.rpc import Handler, QuickHandler, RpcServer
 
@@ -36,14 +36,14 @@ def setup_logging(stage: str) -> None:
 async def serve(
     name: str,
     bind: str,
-    make_handler: Callable[[zmq.asyncio.Context], Awaitable[tuple[Handler, QuickHandler, Closer]]],
+    make_handler: Callable[[zmq.Context], Awaitable[tuple[Handler, QuickHandler, Closer]]],
 ) -> None:
     """Bind ``bind``, answer requests with the handlers from ``make_handler`` until a signal arrives.
 
     ``make_handler`` returns the request handler, the quick handler (answers what needs no
     waiting as it arrives, see :class:`RpcServer`) and a close function for its resources.
     """
-    ctx = zmq.asyncio.Context()
+    ctx = zmq.Context()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,7 +14,9 @@ from typing import Any, TypeVar
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+# 2: FetchReply rows are (tokens, feature sets, hidden), every feature set of a token together;
+#    SamplingParams gained penalties, logit_bias, min_tokens and grammar.
+PROTOCOL_VERSION = 2
 
 _REGISTRY: dict[str, type] = {}
 _TUPLE_FIELDS: dict[type, tuple[str, ...]] = {}  # msgpack has no tuples: restored on decode

@@ -60,7 +60,11 @@ def hf_inputs(
     kwargs: dict[str, Any] = {}
     if videos:
         kwargs["videos"] = [list(v) for v in videos]
-        kwargs["video_metadata"] = [{"total_num_frames": len(v), "fps": VIDEO_FPS} for v in videos]
+        # Qwen3-VL's prompt shows each chunk's time, computed from the frame indices.
+        kwargs["video_metadata"] = [
+            {"total_num_frames": len(v), "fps": VIDEO_FPS, "frames_indices": list(range(len(v)))}
+            for v in videos
+        ]
         kwargs["do_sample_frames"] = False
     return processor(
         text=[text],

@@ -1,4 +1,4 @@
-"""Tests for the offline tiny Qwen2-VL / Qwen2.5-VL checkpoint generator."""
+"""Tests for the offline tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint generator."""
 
 from __future__ import annotations
 
@@ -17,13 +17,27 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-from mmcache.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_MODEL_ARCHS, make_tiny_model
+from mmcache.tiny_model import (
+    CHAT_TEMPLATE,
+    QWEN3_CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    TINY_MODEL_ARCHS,
+    make_tiny_model,
+)
 
-PROCESSOR_CLASS = {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor"}
+PROCESSOR_CLASS = {
+    "qwen2-vl": "Qwen2VLProcessor",
+    "qwen2.5-vl": "Qwen2_5_VLProcessor",
+    "qwen3-vl": "Qwen3VLProcessor",
+    "qwen3-vl-moe": "Qwen3VLProcessor",
+}
 MODEL_CLASS = {
     "qwen2-vl": "Qwen2VLForConditionalGeneration",
     "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3-vl": "Qwen3VLForConditionalGeneration",
+    "qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
 }
+PATCH = {"qwen2-vl": 14, "qwen2.5-vl": 14, "qwen3-vl": 16, "qwen3-vl-moe": 16}
 BPE_VOCAB = 2000  # trained BPE size; the 14 special tokens follow it
 
 
@@ -86,10 +100,18 @@ def test_auto_classes_load(tiny: Tiny) -> None:
     assert type(proc).__name__ == PROCESSOR_CLASS[tiny.arch]
     assert type(proc.tokenizer).__name__ == "Qwen2Tokenizer"
     image_proc, video_proc = proc.image_processor, proc.video_processor
-    assert (image_proc.size["shortest_edge"], image_proc.size["longest_edge"]) == (56 * 56, 448 * 448)
-    assert (video_proc.size["shortest_edge"], video_proc.size["longest_edge"]) == (56 * 56, 224 * 224)
+    if tiny.arch.startswith("qwen3-vl"):  # its video budget covers all frames together: 64 of 224x224
+        assert (image_proc.size["shortest_edge"], image_proc.size["longest_edge"]) == (64 * 64, 448 * 448)
+        assert (video_proc.size["shortest_edge"], video_proc.size["longest_edge"]) == (
+            2 * 64 * 64,
+            64 * 224 * 224,
+        )
+        assert list(image_proc.image_mean) == list(video_proc.image_mean) == [0.5, 0.5, 0.5]
+    else:
+        assert (image_proc.size["shortest_edge"], image_proc.size["longest_edge"]) == (56 * 56, 448 * 448)
+        assert (video_proc.size["shortest_edge"], video_proc.size["longest_edge"]) == (56 * 56, 224 * 224)
     for p in (image_proc, video_proc):
-        assert (p.patch_size, p.merge_size, p.temporal_patch_size) == (14, 2, 2)
+        assert (p.patch_size, p.merge_size, p.temporal_patch_size) == (PATCH[tiny.arch], 2, 2)
 
     model, info = AutoModelForImageTextToText.from_pretrained(tiny.path, output_loading_info=True)
     assert type(model).__name__ == MODEL_CLASS[tiny.arch]
@@ -103,6 +125,11 @@ def test_auto_classes_load(tiny: Tiny) -> None:
     assert config.text_config.vocab_size >= len(tok)
     assert config.text_config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.eos_token_id == [tok.eos_token_id, tok.pad_token_id]
+    if tiny.arch.startswith("qwen3-vl"):  # the parts that differ: deepstack, q/k norms, interleaved M-RoPE
+        assert config.vision_config.deepstack_visual_indexes == [0, 1, 2]
+        assert config.text_config.rope_parameters["mrope_interleaved"] is True
+        assert hasattr(model.model.language_model.layers[0].self_attn, "q_norm")
+        assert hasattr(model.model.language_model.layers[0].mlp, "experts") == tiny.arch.endswith("moe")
 
 
 def test_tokenizer_round_trip_and_special_tokens(tiny: Tiny) -> None:
@@ -127,12 +154,12 @@ def test_tokenizer_round_trip_and_special_tokens(tiny: Tiny) -> None:
 
 def test_chat_template(tiny: Tiny) -> None:
     proc = tiny.processor
-    assert (tiny.path / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    qwen3 = tiny.arch.startswith("qwen3-vl")
+    template = QWEN3_CHAT_TEMPLATE if qwen3 else CHAT_TEMPLATE
+    assert (tiny.path / "chat_template.jinja").read_text() == template
     text = proc.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
-    assert text == (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    )
+    system = "" if qwen3 else "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"  # no default
+    assert text == system + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Compare them."}]
     text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     assert "<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>" in text
@@ -164,9 +191,11 @@ def test_unknown_arch(tmp_path: Path) -> None:
 def test_generate_image_and_video(tiny: Tiny) -> None:
     proc, model = tiny.processor, tiny.model
     inputs = _image_inputs(proc, _image(0))
-    assert inputs["pixel_values"].shape == (32 * 32, 3 * 2 * 14 * 14)
-    assert inputs["image_grid_thw"].tolist() == [[1, 32, 32]]
-    assert (inputs["input_ids"] == model.config.image_token_id).sum() == 16 * 16
+    patch = PATCH[tiny.arch]
+    side = 448 // patch  # patches per side of a 448x448 image
+    assert inputs["pixel_values"].shape == (side * side, 3 * 2 * patch * patch)
+    assert inputs["image_grid_thw"].tolist() == [[1, side, side]]
+    assert (inputs["input_ids"] == model.config.image_token_id).sum() == side * side // 4
     assert 1 <= len(_generate(model, inputs, 8)) <= 8
 
     rng = np.random.default_rng(1)
@@ -176,12 +205,13 @@ def test_generate_image_and_video(tiny: Tiny) -> None:
     inputs = proc(
         text=[text],
         videos=[frames],
-        video_metadata=[{"total_num_frames": 4, "fps": 2.0}],
+        video_metadata=[{"total_num_frames": 4, "fps": 2.0, "frames_indices": [0, 1, 2, 3]}],
         do_sample_frames=False,
         return_tensors="pt",
     )
-    assert inputs["video_grid_thw"].tolist() == [[2, 16, 16]]
-    assert (inputs["input_ids"] == model.config.video_token_id).sum() == 2 * 8 * 8
+    side = 224 // patch
+    assert inputs["video_grid_thw"].tolist() == [[2, side, side]]
+    assert (inputs["input_ids"] == model.config.video_token_id).sum() == 2 * side * side // 4
     assert 1 <= len(_generate(model, inputs, 8)) <= 8
 
 

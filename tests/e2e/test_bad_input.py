@@ -235,7 +235,23 @@ CASES: dict[str, Bad] = {
     "top_p_0": Bad(chat("hi", top_p=0), ("top_p",)),
     "top_p_1.5": Bad(chat("hi", top_p=1.5), ("top_p",)),
     "stream_not_bool": Bad(chat("hi", stream="yes"), ("stream",)),
-    "n_2": Bad(chat("hi", n=2), ("n=1",)),
+    "n_17": Bad(chat("hi", n=17), ("'n'", "16")),
+    "logit_bias_beyond_vocab": Bad(chat("hi", logit_bias={"99999999": 5}), ("logit_bias",)),
+    "unenforceable_schema": Bad(
+        chat(
+            "hi", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}
+        ),
+        ("response_format",),
+    ),
+    "tool_choice_unknown_function": Bad(
+        chat(
+            "hi",
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        ("'g'",),
+    ),
+    "prediction": Bad(chat("hi", prediction={"type": "content", "content": "x"}), ("prediction",)),
     "unknown_model": Bad(lambda e: chat("hi")(e) | {"model": "no-such-model"}, ("no-such-model",), 404),
     "body_over_max_request_bytes": Bad(chat("x" * (MAX_REQUEST_BYTES + 100_000)), ("larger",), 413),
     "http_loopback_ip": Bad(

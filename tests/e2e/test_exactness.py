@@ -1,6 +1,6 @@
 """Greedy output of ``mmcache serve`` equals plain transformers on the same checkpoint, token for token.
 
-For both architectures, one server each (module scope), and prompts with no media,
+For every architecture, one server each (module scope), and prompts with no media,
 images (several sizes, formats, an alpha channel), videos (even and odd frame
 counts), several turns, ``data:`` and ``file://`` URLs. The prompt token ids must
 equal the HF processor's ``input_ids`` and the generated ids HF ``generate``'s.
@@ -26,7 +26,7 @@ from tests.hf_reference import hf_generate, load
 
 pytestmark = pytest.mark.e2e
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MAX_TOKENS = 16
 
 

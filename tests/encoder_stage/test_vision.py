@@ -1,4 +1,7 @@
-"""VisionTower (vision weights only) against the full HF model's visual features, both archs."""
+"""VisionTower (vision weights only) against the full HF model's visual features, every arch.
+
+Every feature set is compared: the merged embeddings and, for Qwen3-VL, each deepstack set.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +15,13 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from processor.media_decode import DecodedVideo
 from processor.preprocess import Preprocessor
 from shared.checkpoint import ModelSpec
 from tests.media import decode_all_frames, image_bytes, video_bytes
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 TOL = 1e-5
 
 
@@ -57,13 +60,19 @@ def _image(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.open(io.BytesIO(_image_data(width, height, seed)))
 
 
-def _video_chunks(env: Env, frames: np.ndarray) -> list[Chunk]:
+def _video_chunks(env: Env, frames: np.ndarray) -> list[VisionInput]:
     layout = env.pre.video(DecodedVideo(frames, 2.0), salt=None)
-    return [Chunk("video", c.pixels) for c in layout.chunks]
+    return [VisionInput("video", c.pixels) for c in layout.chunks]
 
 
-def _image_chunk(env: Env, image: Image.Image) -> Chunk:
-    return Chunk("image", env.pre.image(image, salt=None).chunks[0].pixels)
+def _image_chunk(env: Env, image: Image.Image) -> VisionInput:
+    return VisionInput("image", env.pre.image(image, salt=None).chunks[0].pixels)
+
+
+def _hf_rows(out, index: int = 0) -> torch.Tensor:
+    """HF's features of item ``index`` as (tokens, feature sets, hidden), like the tower's rows."""
+    sets = [out.pooler_output[index], *(f[index] for f in getattr(out, "deepstack_features", None) or [])]
+    return torch.stack(sets, dim=1)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,6 +86,8 @@ def test_tower_holds_only_vision_weights(env: Env):
     hf_visual = dict(env.hf_model.model.visual.named_parameters())
     # The patch embedding runs as a matmul: HF's Conv3d kernel, flattened.
     hf_visual["patch_embed.weight"] = hf_visual.pop("patch_embed.proj.weight").flatten(1)
+    if "patch_embed.proj.bias" in hf_visual:  # Qwen3-VL
+        hf_visual["patch_embed.bias"] = hf_visual.pop("patch_embed.proj.bias")
     assert set(names) == set(hf_visual)
     for name, param in env.tower.model.named_parameters():
         assert torch.equal(param, hf_visual[name]), name
@@ -88,11 +99,11 @@ def test_video_chunk_by_chunk_equals_hf_whole_video(env: Env, shape):
     chunks = _video_chunks(env, frames)
     ours = torch.cat([env.tower.encode([chunk])[0] for chunk in chunks])
 
-    ref_in = env.hf_processor.video_processor(videos=[frames], return_tensors="pt")
+    ref_in = env.hf_processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
     with torch.no_grad():
-        ref = env.hf_model.model.get_video_features(
-            ref_in["pixel_values_videos"], ref_in["video_grid_thw"]
-        ).pooler_output[0]
+        ref = _hf_rows(
+            env.hf_model.model.get_video_features(ref_in["pixel_values_videos"], ref_in["video_grid_thw"])
+        )
     assert ours.dtype == torch.float32 and ours.device.type == "cpu"
     assert _max_diff(ours, ref) <= TOL
 
@@ -103,11 +114,12 @@ def test_image_encode_equals_hf_image_features(env: Env, size):
     (ours,) = env.tower.encode([_image_chunk(env, image)])
     ref_in = env.hf_processor.image_processor(images=[image], return_tensors="pt")
     with torch.no_grad():
-        ref = env.hf_model.model.get_image_features(
-            ref_in["pixel_values"], ref_in["image_grid_thw"]
-        ).pooler_output[0]
+        ref = _hf_rows(
+            env.hf_model.model.get_image_features(ref_in["pixel_values"], ref_in["image_grid_thw"])
+        )
     t, h, w = ref_in["image_grid_thw"][0].tolist()
-    assert ours.shape == (t * h * w // 4, env.hf_model.config.text_config.hidden_size)
+    sets = 4 if env.arch.startswith("qwen3-vl") else 1  # merged + 3 deepstack layers
+    assert ours.shape == (t * h * w // 4, sets, env.hf_model.config.text_config.hidden_size)
     assert _max_diff(ours, ref) <= TOL
 
 
@@ -142,11 +154,13 @@ def test_chunks_of_one_video_are_independent(env: Env):
 def test_output_rows_and_num_patches(env: Env):
     chunk = _image_chunk(env, _image(300, 200))
     flat, grid = env.tower.patches(chunk)
-    assert grid == (1, 14, 22)
-    assert flat.shape == (14 * 22, 3 * 2 * 14 * 14)
-    assert env.tower.num_patches(chunk) == 14 * 22
+    # 300x200 on a grid of 28 pixels (14-pixel patches, merged 2x2), of 32 for Qwen3-VL
+    patch, h, w = (16, 12, 18) if env.arch.startswith("qwen3-vl") else (14, 14, 22)
+    assert grid == (1, h, w)
+    assert flat.shape == (h * w, 3 * 2 * patch * patch)
+    assert env.tower.num_patches(chunk) == h * w
     (emb,) = env.tower.encode([chunk])
-    assert emb.shape[0] == 14 * 22 // 4
+    assert emb.shape[:2] == (h * w // 4, env.tower.feature_sets)
 
 
 def test_fingerprint_depends_on_dtype(env: Env, tiny_models):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.block_manager import BlockManager
+from llm_stage.block_manager import BlockCopy, BlockManager
 from llm_stage.scheduler import Scheduler
-from llm_stage.sequence import Sequence
+from llm_stage.sequence import MediaRows, Sequence
 from shared.block_hash import root_hash
 from shared.keys import Fingerprint
 from shared.messages import MediaSpan, SamplingParams
@@ -18,18 +18,8 @@ IMG = 50
 
 
 def make_seq(seq_id: int, ids: list[int], spans: list[MediaSpan] | None = None, root=ROOT) -> Sequence:
-    return Sequence(
-        seq_id=seq_id,
-        token_ids=list(ids),
-        num_prompt_tokens=len(ids),
-        positions=torch.arange(len(ids)).expand(3, -1),
-        rope_delta=0,
-        media=[],
-        spans=spans or [],
-        root_hash=root,
-        sampling=SamplingParams(max_tokens=8, temperature=0.0),
-        max_model_len=1024,
-        stop_ids=frozenset(),
+    return Sequence.new(
+        seq_id, ids, spans or [], root, SamplingParams(max_tokens=8, temperature=0.0), 1024, [], 1.0
     )
 
 
@@ -41,10 +31,11 @@ def match(bm: BlockManager, seq: Sequence):
 def admit(bm: BlockManager, seq: Sequence) -> int:
     """Match, allocate and fill ``seq``'s prompt as the scheduler would; returns the hit in tokens."""
     found = match(bm, seq)
-    assert bm.can_allocate(found, seq.num_tokens - len(found.blocks) * B)
-    bm.allocate(seq, found)
+    assert bm.can_allocate(found, seq.num_tokens - found.num_tokens(B))
+    copy = bm.allocate(seq, found)
     hit = seq.num_computed_tokens
-    bm.copied(seq)  # (the runner's copy of a shared block start)
+    if copy is not None:  # (the runner's copy of a shared block start, then its source goes)
+        bm.release([copy.source])
     bm.grow(seq, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.commit(seq, seq.update_block_hashes(B))
@@ -166,46 +157,14 @@ def test_scheduler_preempts_newest_and_resumes_from_cache():
         sched.add(s)
     steps = 0
     while sched.has_work() and steps < 100:
-        batch = sched.schedule()
-        tokens = [7] * sum(1 for s, n in batch if s.num_computed_tokens + n == s.num_tokens)
-        sched.postprocess(batch, tokens)
+        plan = sched.schedule()
+        sched.postprocess(plan, [7] * len(plan.sampled))
         steps += 1
     assert not sched.has_work()
     assert a.finish_reason == b.finish_reason == "length"
     assert a.num_output_tokens == b.num_output_tokens == 12
     assert sched.num_preemptions >= 1
     assert bm.num_free_blocks == 6
-
-
-def test_held_prefixes_of_waiting_sequences_cannot_deadlock_the_pool():
-    """Two requests whose cached prefixes were held before admission fill the pool; neither can
-    start. The scheduler lets the second one's hold go, the first runs, nothing is stuck."""
-    bm = BlockManager(6, B, enable_caching=True)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
-    for ids in (list(range(12)), list(range(100, 112))):  # cache two 3-block prefixes
-        admit(bm, s := make_seq(90, ids))
-        bm.free_seq(s)
-    a, b = make_seq(1, [*range(12), 55, 56, 57, 58, 59]), make_seq(2, [*range(100, 112), 66, 67, 68])
-    for seq in (a, b):
-        bm.allocate(seq, match(bm, seq))  # what LLMService does before submit
-        seq.rows_floor = seq.num_computed_tokens
-        sched.add(seq)
-    assert bm.num_free_blocks == 0
-    batch = sched.schedule()
-    assert [s.seq_id for s, _ in batch] == [1]
-    assert b.block_table == []  # its hold was let go ...
-    assert any(s is b for s in [*sched.waiting, *sched.starving])
-    steps = 0
-    while sched.has_work() and steps < 50:
-        batch = sched.schedule()
-        tokens = [7] * sum(1 for s, n in batch if s.num_computed_tokens + n == s.num_tokens)
-        sched.postprocess(batch, tokens)
-        steps += 1
-        if sched.starving:  # ... and, its rows never fetched, it is parked for the service to refetch
-            parked = sched.starving.pop()
-            parked.rows_floor = 0
-            sched.add(parked)
-    assert a.finish_reason == b.finish_reason == "length"
 
 
 # --- sharing the start of a block ---------------------------------------------------------
@@ -226,13 +185,13 @@ def test_new_question_about_the_same_image_shares_the_image_tail():
     found = match(bm, b)
     assert found.blocks == a.block_table[:2]  # tokens 0..7
     assert found.partial == (a.block_table[2], 3)  # tokens 8, 9, 10: the image's tail
-    bm.allocate(b, found)
+    copy = bm.allocate(b, found)
     assert b.num_computed_tokens == b.num_cached_tokens == 11
     own = b.block_table[2]
-    assert own not in a.block_table and b.kv_copy == (a.block_table[2], own, 3)
-    assert bm.blocks[a.block_table[2]].ref_count == 2  # the source is pinned until copied ...
-    bm.copied(b)
-    assert bm.blocks[a.block_table[2]].ref_count == 1 and b.kv_copy is None  # ... then let go
+    assert own not in a.block_table and copy == BlockCopy(a.block_table[2], own, 3)
+    assert bm.blocks[a.block_table[2]].ref_count == 2  # the source is held until copied ...
+    bm.release([copy.source])
+    assert bm.blocks[a.block_table[2]].ref_count == 1  # ... then let go
 
 
 def test_a_different_image_with_the_same_placeholders_shares_only_the_text_before_it():
@@ -281,17 +240,23 @@ def test_an_evicted_block_is_no_longer_shared():
     assert indexed == {(bm.blocks[i].parent, i) for i in b.block_table[1:] if bm.blocks[i].block_hash}
 
 
-def test_freeing_a_sequence_before_its_copy_releases_the_source():
+def test_admission_plans_the_shared_start_copy_and_holds_its_source_until_then():
     bm = BlockManager(20, B, enable_caching=True)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     a = make_seq(1, *image_prompt([60, 61, 62]))
+    a.media = [MediaRows(5, torch.zeros(6, 1))]
     admit(bm, a)
+    table = list(a.block_table)
     bm.free_seq(a)
     b = make_seq(2, *image_prompt([70, 71]))
-    bm.allocate(b, match(bm, b))
-    source = b.kv_copy[0]
-    assert bm.blocks[source].ref_count == 1
-    bm.free_seq(b)  # preempted or aborted before its first step
-    assert bm.blocks[source].ref_count == 0 and source in bm.free and b.kv_copy is None
+    sched.add(b)
+    plan = sched.schedule()
+    (copy,) = plan.copies
+    assert copy == BlockCopy(table[2], b.block_table[2], 3)
+    assert bm.blocks[copy.source].ref_count == 1  # held for the copy alone (a is gone)
+    assert plan.admitted == [b] and b.num_cached_tokens == 11
+    assert [(i.start, i.end, i.samples) for i in plan.items] == [(11, 13, True)]
+    assert plan.fetches == []  # the image lies inside the cached prefix: no rows wanted
 
 
 def test_a_shared_start_source_counts_against_room():
@@ -305,6 +270,27 @@ def test_a_shared_start_source_counts_against_room():
     b = make_seq(2, [*range(6), 90, 91, 92, 93, 94, 95, 96, 97, 98])  # block 0, then 2 shared tokens
     found = match(bm, b)
     assert found.blocks == [table[0]] and found.partial == (table[1], 2)
-    # 9 more tokens after block 0 need 3 fresh blocks; with both held blocks revived that is 5 > 4
-    assert not bm.can_allocate(found, b.num_tokens - B)
-    assert bm.can_allocate(found, 4)  # a first chunk that fits
+    # the 7 tokens after the shared start end at token 13: 3 fresh blocks after block 0; with both
+    # held blocks revived that is 5 > 4
+    assert not bm.can_allocate(found, b.num_tokens - 6)
+    assert bm.can_allocate(found, 4)  # a first chunk that fits (ends at token 10: 2 fresh + 2)
+
+
+def test_admission_counts_the_shared_start_and_drops_it_when_room_is_short():
+    """Block 0 and a 2-token shared start cached in a 4-block pool; a 7-token first chunk after
+    the shared start ends at token 13 (4 blocks), and the source held for the copy would make 5:
+    the scheduler admits without the shared start rather than overrun the pool or wait forever."""
+    bm = BlockManager(4, B, enable_caching=True)
+    admit(bm, a := make_seq(1, list(range(12))))
+    bm.free_seq(a)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=7)
+    ids = [*range(6), 90, 91, 92, 93, 94, 95, 96, 97, 98]
+    b = Sequence.new(2, ids, [], ROOT, SamplingParams(max_tokens=1, temperature=0.0), 1024, [], 1.0)
+    sched.add(b)
+    plan = sched.schedule()
+    assert plan.copies == [] and b.num_cached_tokens == 4
+    assert [(i.start, i.end) for i in plan.items] == [(4, 11)]
+    for _ in range(3):
+        plan = sched.schedule()
+        sched.postprocess(plan, [7] * len(plan.sampled))
+    assert b.finish_reason == "length" and not sched.has_work()

@@ -15,9 +15,8 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from llm_stage.engine import Engine
-from llm_stage.positions import mrope_positions
 from llm_stage.sequence import MediaRows, Sequence
 from processor.preprocess import Preprocessor
 from shared.block_hash import root_hash
@@ -26,7 +25,7 @@ from shared.config import LLMConfig
 from shared.messages import MediaSpan, SamplingParams
 from tests.media import image_bytes
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
@@ -90,7 +89,7 @@ def _build_prompt(env: Env, text: str, images: list[tuple[int, int, int]]) -> Pr
         offset = ids.index(pad, cursor)
         span = MediaSpan(offset, "image", layout.grid_thw, [c.key for c in layout.chunks], 1.0, 2)
         assert ids[offset : offset + span.num_tokens] == [pad] * span.num_tokens
-        (rows,) = env.tower.encode([Chunk("image", layout.chunks[0].pixels)])
+        (rows,) = env.tower.encode([VisionInput("image", layout.chunks[0].pixels)])
         prompt.spans.append(span)
         prompt.media.append(MediaRows(offset, rows))
         cursor = offset + span.num_tokens
@@ -103,20 +102,17 @@ def make_engine(env: Env, **cfg) -> Engine:
 
 
 def make_seq(env: Env, engine: Engine, seq_id: int, prompt: Prompt, sampling: SamplingParams) -> Sequence:
-    positions, delta = mrope_positions(len(prompt.token_ids), prompt.spans, env.spec.tokens_per_second)
-    stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(env.spec.eos_token_ids))
-    return Sequence(
-        seq_id=seq_id,
-        token_ids=list(prompt.token_ids),
-        num_prompt_tokens=len(prompt.token_ids),
-        positions=positions,
-        rope_delta=delta,
-        media=list(prompt.media),
-        spans=list(prompt.spans),
-        root_hash=root_hash(env.spec.weights_fingerprint, None),
-        sampling=sampling,
-        max_model_len=engine.max_model_len,
-        stop_ids=frozenset(stop),
+    """A sequence with its media rows already present (no fetch)."""
+    return Sequence.new(
+        seq_id,
+        prompt.token_ids,
+        list(prompt.spans),
+        root_hash(env.spec.weights_fingerprint, None),
+        sampling,
+        engine.max_model_len,
+        env.spec.eos_token_ids,
+        env.spec.tokens_per_second,
+        media=prompt.media,
     )
 
 
@@ -130,7 +126,7 @@ def run(engine: Engine, seqs: list[Sequence], max_steps: int = 2000) -> dict[int
     while engine.has_work():
         steps += 1
         assert steps <= max_steps, "engine did not finish"
-        for out in engine.step():
+        for out in engine.step().outputs:
             assert out.seq_id not in reasons, "output after the finish"
             if out.token_id is not None:
                 tokens[out.seq_id].append(out.token_id)
@@ -175,7 +171,8 @@ def test_greedy_text_equals_hf_generate(env: Env, config: str):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_image_prompt_equals_hf_generate(env: Env, config: str):
     prompt = make_prompt(env, "Describe the picture.", images=[(300, 200, 1)])
-    assert len(prompt.spans) == 1 and prompt.spans[0].num_tokens == 14 * 22 // 4
+    grid = prompt.hf_inputs["image_grid_thw"][0].tolist()
+    assert len(prompt.spans) == 1 and prompt.spans[0].num_tokens == grid[1] * grid[2] // 4
     hf = hf_greedy(env, prompt)
     engine = make_engine(env, **CONFIGS[config])
     ((tokens, reason),) = run(engine, [make_seq(env, engine, 1, prompt, GREEDY)]).values()
@@ -205,7 +202,10 @@ def test_same_placeholders_different_image_is_no_prefix_hit(env: Env):
     fresh = make_engine(env)
     assert second == run(fresh, [make_seq(env, fresh, 2, b, GREEDY)])[2]
     assert second != first
-    assert seq_b.num_cached_tokens == b.spans[0].offset  # the text before the image, not one token more
+    # The text before the image, not one token more (a block's shared start extends only a full-block
+    # hit: Qwen3-VL's template has no default system prompt, so its image starts inside block 0).
+    offset = b.spans[0].offset
+    assert seq_b.num_cached_tokens == (offset if offset >= engine.blocks.block_size else 0)
 
 
 CONCURRENT = [
@@ -354,13 +354,13 @@ def test_new_question_about_a_cached_image_copies_the_image_tail_and_agrees(env:
 
     def kv(e: Engine, seq) -> torch.Tensor:
         slots = [seq.block_table[t // size] * size + t % size for t in range(start, cached)]
-        return torch.stack([e.kv.k[:, slots], e.kv.v[:, slots]])
+        return e.kv.kv[:, slots]
 
     torch.testing.assert_close(kv(engine, seqs[0]), kv(fresh, seqs[1]), atol=1e-5, rtol=1e-5)
     tokens = {}
     for e, seq in zip((engine, fresh), seqs, strict=True):
         out = [seq.token_ids[-1]]
         while e.has_work():
-            out += [o.token_id for o in e.step() if o.token_id is not None]
+            out += [o.token_id for o in e.step().outputs if o.token_id is not None]
         tokens[e] = out
     assert tokens[engine] == tokens[fresh]

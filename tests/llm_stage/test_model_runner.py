@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
 from llm_stage.model_runner import fold_sin, rotate_
-from llm_stage.text_model import TextLM
+from llm_stage.text_model import TextLM, qk_norm_
 from shared.checkpoint import ModelSpec
 
 
@@ -37,3 +39,24 @@ def test_fused_projections_share_the_modules_storage_and_compute_the_same(tiny_m
         torch.testing.assert_close(qkv, separate, rtol=1e-6, atol=1e-6)
         gate, up = torch.nn.functional.linear(x, fused.gate_up).chunk(2, dim=-1)
         torch.testing.assert_close(fused.act(gate) * up, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+
+def test_qwen3_qk_norm_equals_the_modules_bit_for_bit(tiny_models):
+    lm = TextLM(ModelSpec.load(tiny_models["qwen3-vl"]), torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    rows, heads, kv_heads = 23, lm.num_heads, lm.num_kv_heads
+    for layer, fused in zip(lm.layers, lm.fused, strict=True):
+        attn = layer.self_attn
+        assert fused.qkv_bias is None and fused.qk_norm is not None
+        torch.nn.init.normal_(attn.q_norm.weight, generator=gen)  # not all ones, so the scale counts
+        torch.nn.init.normal_(attn.k_norm.weight, generator=gen)
+        fused = replace(
+            fused,
+            qk_norm=torch.cat(
+                [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
+            ),
+        )
+        qk = torch.randn(rows, heads + kv_heads, lm.head_dim, generator=gen) * 3
+        want_q, want_k = attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])
+        qk_norm_(qk, fused)
+        assert torch.equal(qk[:, :heads], want_q) and torch.equal(qk[:, heads:], want_k)

@@ -1,7 +1,12 @@
-"""M-RoPE positions from media spans == HF ``get_rope_index`` (Qwen2-VL and Qwen2.5-VL)."""
+"""M-RoPE positions from media spans == HF ``get_rope_index`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+
+A Qwen3-VL video is laid out as the processor lays it out: one span per temporal chunk, each
+after its timestamp text and between vision start/end tokens.
+"""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -12,7 +17,7 @@ from llm_stage.positions import mrope_positions
 from shared.checkpoint import ModelSpec
 from shared.messages import MediaSpan
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MERGE = 2
 TEMPORAL_PATCH = 2
 
@@ -54,6 +59,16 @@ def build(ref: Ref, layout: list[Segment]):
         pad = ref.spec.image_token_id if kind == "image" else ref.spec.video_token_id
         spc = TEMPORAL_PATCH / fps if kind == "video" else 1.0
         keys = [bytes([len(spans), i]) * 8 for i in range(t)]
+        if kind == "video" and ref.spec.family.timestamped_video:
+            for key in keys:
+                ids += [text_token] * 5  # "<t seconds>" (4 tokens, say) and vision start
+                types += [0] * 5
+                spans.append(MediaSpan(len(ids), kind, (1, h, w), [key], spc, MERGE))
+                ids += [pad] * (n // t) + [text_token]  # then vision end
+                types += [2] * (n // t) + [0]
+            video_grids.append([t, h, w])
+            seconds.append(spc)
+            continue
         spans.append(MediaSpan(len(ids), kind, (1, h, w) if kind == "image" else (t, h, w), keys, spc, MERGE))
         ids += [pad] * n
         types += [1 if kind == "image" else 2] * n
@@ -135,6 +150,8 @@ def test_positions_equal_hf_get_rope_index(ref: Ref, name: str):
 
 def test_qwen25_spaces_video_chunks_by_time(ref: Ref):
     """Qwen2.5-VL: temporal position of chunk i is int(i * tokens_per_second * seconds_per_chunk)."""
+    if ref.spec.family.timestamped_video:
+        pytest.skip("a Qwen3-VL video chunk is its own span (see the Qwen3-VL test below)")
     ids, _, spans, *_ = build(ref, [("text", 1), ("video", (3, 4, 4), 1.0), ("text", 1)])
     positions, _ = mrope_positions(len(ids), spans, ref.spec.tokens_per_second)
     t_axis = positions[0, 1:13].reshape(3, 4)[:, 0] - 1
@@ -158,6 +175,8 @@ def test_text_after_a_long_video_starts_past_its_largest_position(ref: Ref):
     max(h, w) // merge the temporal axis holds that maximum; transformers 5.24 advances by
     max(h, w) // merge instead and so reuses positions the video already occupies. mmcache follows
     the reference; this test pins the difference so a change on either side is noticed."""
+    if ref.spec.family.timestamped_video:
+        pytest.skip("a Qwen3-VL video chunk is its own span (see the Qwen3-VL test below)")
     layout = [("text", 3), ("video", (6, 4, 4), 2.0), ("text", 4)]  # 6 chunks > max(4, 4) // 2 = 2
     ids, types, spans, image_grids, video_grids, seconds = build(ref, layout)
     ours, delta = mrope_positions(len(ids), spans, ref.spec.tokens_per_second)
@@ -182,3 +201,20 @@ def test_prompt_ending_in_media_and_generation_delta(ref: Ref):
     assert torch.equal(ours, hf) and delta == hf_delta
     # the first generated token (index len(ids)) sits one past the largest prompt position
     assert len(ids) + delta == int(ours.max()) + 1
+
+
+def test_qwen3_video_chunks_are_laid_out_one_by_one(ref: Ref):
+    """Qwen3-VL: each chunk sits at its own start (t = h = w offset there, like an image) and the
+    text after it starts max(h, w) // merge later, so a long video never reuses a position."""
+    if not ref.spec.family.timestamped_video:
+        pytest.skip("Qwen3-VL only")
+    ids, types, spans, image_grids, video_grids, seconds = build(
+        ref, [("text", 3), ("video", (6, 4, 8), 2.0), ("text", 4)]
+    )
+    assert len(spans) == 6
+    ours, delta = mrope_positions(len(ids), spans, ref.spec.tokens_per_second)
+    hf, hf_delta = hf_positions(ref, ids, types, image_grids, video_grids, seconds)
+    assert torch.equal(ours, hf) and delta == hf_delta
+    starts = [int(ours[0, s.offset]) for s in spans]
+    steps = [b - a for a, b in itertools.pairwise(starts)]
+    assert steps == [8 // MERGE + 6] * 5  # the chunk's grid, then 6 text tokens

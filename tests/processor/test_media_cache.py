@@ -159,6 +159,28 @@ def test_lru_is_bounded_in_bytes(tiny_model):
     assert cache.stats.evictions == 3
 
 
+def test_entries_a_live_request_holds_are_not_evicted_and_stay_in_the_budget(tiny_model):
+    pre = Preprocessor(str(tiny_model), 2.0, 64)
+    layouts = [pre.image(Image.open(io.BytesIO(image_bytes(112, 112, seed=i))), None) for i in range(4)]
+    cache = MediaCache(capacity_bytes=2 * layouts[0].nbytes + 2 * 2 * 512)
+    key = [bytes([i]) * 16 for i in range(4)]
+    cache.put(key[0], layouts[0])
+    cache.put(key[1], layouts[1])
+    assert cache.hold(key[0]) and cache.hold(key[0]) and not cache.hold(key[3])
+    cache.put(key[2], layouts[2])  # evicts 1, the oldest entry nobody holds
+    assert cache.get(key[1]) is None and cache.get(key[0]) is not None
+    cache.hold(key[2])
+    cache.put(key[3], layouts[3])  # everything held: not kept, nothing evicted
+    assert cache.get(key[3]) is None and len(cache) == 2 and cache.nbytes <= cache.capacity
+    cache.release(key[0])
+    cache.put(key[3], layouts[3])
+    assert cache.get(key[0]) is not None  # still held once
+    cache.release(key[0])
+    cache.release(key[2])
+    cache.put(key[1], layouts[1])
+    assert len(cache) == 2 and cache.stats.evictions == 2
+
+
 async def test_500_distinct_images_through_a_small_cap_keep_memory_flat(tiny_model, tmp_path):
     cap = 4 << 20
     pipe = pipeline(tiny_model, tmp_path, cap)
@@ -170,7 +192,7 @@ async def test_500_distinct_images_through_a_small_cap_keep_memory_flat(tiny_mod
     peak_bytes = 0
     rss = []
     for i, path in enumerate(paths):
-        await pipe.prepare(parse_chat_request(request(path)))
+        pipe.done(await pipe.prepare(parse_chat_request(request(path))))
         peak_bytes = max(peak_bytes, pipe.cache.nbytes)
         assert pipe.cache.nbytes <= cap
         if i in (99, 499):

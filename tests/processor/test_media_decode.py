@@ -207,3 +207,10 @@ def test_video_frame_size_is_limited_like_an_image():
     data = video_bytes(num_frames=2, width=64, height=64)
     err = api_error(decode_video, data, limits(max_image_pixels=64 * 64 - 1), "v")
     assert err.code == "image_too_large"
+
+
+def test_an_undecodable_image_is_named_without_an_object_repr():
+    with pytest.raises(APIError) as info:
+        decode_image(b"not an image" * 10, LIMITS, "messages[0].content[0]")
+    assert info.value.message.startswith("messages[0].content[0]: cannot decode image")
+    assert "object at 0x" not in info.value.message and "BytesIO" not in info.value.message

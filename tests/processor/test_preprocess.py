@@ -17,14 +17,13 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from encoder_stage.vision import Chunk as EncoderChunk
-from encoder_stage.vision import VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from processor.media_decode import DecodedVideo, DecodeLimits, decode_image, decode_video
 from processor.preprocess import Preprocessor
 from shared.checkpoint import ModelSpec
 from tests.media import decode_all_frames, image_array, image_bytes, video_bytes
 
-ARCHS = ("qwen2-vl", "qwen2.5-vl")
+ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 LIMITS = DecodeLimits(
     max_image_pixels=40_000_000, video_fps=2.0, max_video_frames=64, max_video_seconds=600.0
 )
@@ -80,7 +79,7 @@ def _patches(stack: Stack, layout) -> tuple[torch.Tensor, tuple[int, int, int]]:
     flats, grids = [], []
     for chunk in layout.chunks:
         assert chunk.pixels.dtype == torch.uint8
-        flat, grid = stack.tower.patches(EncoderChunk(layout.modality, chunk.pixels))
+        flat, grid = stack.tower.patches(VisionInput(layout.modality, chunk.pixels))
         flats.append(flat)
         grids.append(grid)
     t = sum(g[0] for g in grids)
@@ -103,7 +102,8 @@ def test_image_pixel_values_equal_hf(stack: Stack, name: str):
     assert (pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-6
     t, h, w = layout.grid_thw
     assert layout.num_tokens == t * h * w // 4
-    assert layout.chunks[0].pixels.shape == (1, 3, h * 14, w * 14)
+    patch = stack.hf.image_processor.patch_size
+    assert layout.chunks[0].pixels.shape == (1, 3, h * patch, w * patch)
 
 
 VIDEO_CASES = {
@@ -120,7 +120,7 @@ def test_video_pixel_values_equal_hf(stack: Stack, name: str):
     video = decode_video(video_bytes(num_frames=n, width=width, height=height, fps=2), LIMITS, "v")
     assert video.frames.shape[0] == n  # a 2 fps clip at 2 fps: every frame
     layout = stack.pre.video(video, salt=None)
-    ref = stack.hf.video_processor(videos=[video.frames], return_tensors="pt")
+    ref = stack.hf.video_processor(videos=[video.frames], do_sample_frames=False, return_tensors="pt")
 
     assert layout.modality == "video"
     assert len(layout.chunks) == (n + 1) // 2  # one chunk per temporal patch of 2 frames
@@ -130,6 +130,10 @@ def test_video_pixel_values_equal_hf(stack: Stack, name: str):
     assert pixel_values.shape == ref["pixel_values_videos"].shape
     assert (pixel_values - ref["pixel_values_videos"]).abs().max().item() <= 1e-6
     assert layout.seconds_per_chunk == 2 / video.fps
+    # each chunk's time: the mean of its first and last frame's, the padded last chunk its last frame's
+    assert layout.timestamps == tuple(
+        (2 * i + min(2 * i + 1, n - 1)) / 2 / video.fps for i in range(len(layout.chunks))
+    )
     for chunk in layout.chunks:
         assert chunk.pixels.shape[:2] == (2, 3)
 
@@ -138,9 +142,10 @@ def test_video_from_independent_decoder_equals_hf(stack: Stack):
     """Same check with frames decoded outside mmcache (the HF reference's own view of the clip)."""
     frames = np.stack(decode_all_frames(video_bytes(num_frames=4, width=224, height=224)))
     layout = stack.pre.video(DecodedVideo(frames, 2.0), salt=None)
-    ref = stack.hf.video_processor(videos=[frames], return_tensors="pt")
+    ref = stack.hf.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
     pixel_values, grid = _patches(stack, layout)
-    assert list(grid) == ref["video_grid_thw"][0].tolist() == [2, 16, 16]
+    side = 224 // stack.hf.video_processor.patch_size  # 16 patches of 14 pixels, 14 of 16 (Qwen3-VL)
+    assert list(grid) == ref["video_grid_thw"][0].tolist() == [2, side, side]
     assert (pixel_values - ref["pixel_values_videos"]).abs().max().item() <= 1e-6
 
 

@@ -66,7 +66,7 @@ async def stack(model: Path, tmp: Path):
         cfg, MediaSource([], cfg.max_media_bytes, None), Preprocessor(cfg.model, 2.0, 64), PromptBuilder(spec)
     )
     try:
-        yield encoder, pipeline, Dispatcher(stages, 30.0)
+        yield encoder, pipeline, Dispatcher(stages, 30.0), llm
     finally:
         for t in tasks:
             t.cancel()
@@ -82,8 +82,11 @@ async def stack(model: Path, tmp: Path):
 async def answer(pipeline: Pipeline, dispatcher: Dispatcher, body: dict) -> tuple[list[int], object]:
     prepared = await pipeline.prepare(parse_chat_request(body))
     out: list[int] = []
-    async for chunk in dispatcher.generate(prepared):
-        out += chunk.token_ids
+    try:
+        async for chunk in dispatcher.generate(prepared):
+            out += chunk.token_ids
+    finally:
+        pipeline.done(prepared)
     return out, prepared.report
 
 
@@ -107,7 +110,7 @@ def body(img: bytes, system: str) -> dict:
 
 async def test_entry_evicted_between_lookup_and_fetch_is_repaired(tiny_model, tmp_path):
     img = image_bytes(448, 448, seed=77)
-    async with stack(tiny_model, tmp_path) as (encoder, pipeline, dispatcher):
+    async with stack(tiny_model, tmp_path) as (encoder, pipeline, dispatcher, llm):
         reference, _ = await answer(pipeline, dispatcher, body(img, "first"))
         forwards = encoder.batcher.stats.forwards
         encoder.forget = True
@@ -116,6 +119,8 @@ async def test_entry_evicted_between_lookup_and_fetch_is_repaired(tiny_model, tm
         assert report.encoder_hits == 1  # the lookup found it ...
         assert report.encoder_misses == 1  # ... the fetch did not: one repair encode
         assert encoder.batcher.stats.forwards == forwards + 1
+        assert dict(llm.repairs) == {"missing": 1}  # asked for on the live request, once
+        assert dispatcher.num_repairs == 1
         encoder.forget = False
         fresh, _ = await answer(pipeline, dispatcher, body(img, "second one"))
     assert repaired == fresh

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from processor.errors import APIError
+from processor.pipeline import sampling_params
 from processor.request import MediaRef, parse_chat_request
 
 IMG = "data:image/png;base64,iVBORw0KGgo="
@@ -146,7 +147,7 @@ INVALID = [
     ("empty_messages", body(messages=[]), "messages", "missing_messages"),
     ("messages_not_list", body(messages={"role": "user"}), "messages", "missing_messages"),
     ("message_not_object", body(messages=["hi"]), "messages[0]", "invalid_message"),
-    ("bad_role", body(messages=[{"role": "tool", "content": "x"}]), "messages[0]", "invalid_role"),
+    ("bad_role", body(messages=[{"role": "robot", "content": "x"}]), "messages[0]", "invalid_role"),
     ("no_role", body(messages=[{"content": "x"}]), "messages[0]", "invalid_role"),
     ("content_number", body(messages=[{"role": "user", "content": 3}]), "messages[0]", "invalid_content"),
     ("content_none_user", body(messages=[{"role": "user"}]), "messages[0]", "invalid_content"),
@@ -220,11 +221,59 @@ INVALID = [
     ("stream_options_list", body(stream_options=[1]), "stream_options", "invalid_stream_options"),
     ("cache_salt_empty", body(cache_salt=""), "cache_salt", "invalid_cache_salt"),
     ("cache_salt_int", body(cache_salt=3), "cache_salt", "invalid_cache_salt"),
-    ("n_two", body(n=2), "n", "unsupported_n"),
-    ("presence_penalty", body(presence_penalty=0.5), "presence_penalty", "unsupported_parameter"),
-    ("frequency_penalty", body(frequency_penalty=1), "frequency_penalty", "unsupported_parameter"),
+    ("n_zero", body(n=0), "n", "invalid_n"),
+    ("n_too_many", body(n=17), "n", "invalid_n"),
+    ("presence_penalty", body(presence_penalty=2.5), "presence_penalty", "invalid_presence_penalty"),
+    ("frequency_penalty", body(frequency_penalty="1"), "frequency_penalty", "invalid_frequency_penalty"),
+    ("repetition_penalty", body(repetition_penalty=0), "repetition_penalty", "invalid_repetition_penalty"),
+    ("logit_bias_key", body(logit_bias={"x": 1}), "logit_bias", "invalid_logit_bias"),
+    ("logit_bias_value", body(logit_bias={"3": 101}), "logit_bias", "invalid_logit_bias"),
+    ("min_tokens", body(min_tokens=9, max_tokens=4), "min_tokens", "invalid_min_tokens"),
     ("logprobs", body(logprobs=True), "logprobs", "unsupported_parameter"),
-    ("tools", body(tools=[{"type": "function"}]), "tools", "unsupported_parameter"),
+    ("audio", body(audio={"voice": "x"}), "audio", "unsupported_parameter"),
+    ("function_call", body(function_call="auto"), "function_call", "unsupported_parameter"),
+    ("tools_bad", body(tools=[{"type": "function"}]), "tools[0]", "invalid_tools"),
+    ("tools_empty", body(tools=[]), "tools", "invalid_tools"),
+    ("tool_choice_alone", body(tool_choice="required"), "tool_choice", "invalid_tool_choice"),
+    (
+        "tool_choice_unknown",
+        body(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "tool_choice",
+        "invalid_tool_choice",
+    ),
+    (
+        "response_format_type",
+        body(response_format={"type": "xml"}),
+        "response_format",
+        "invalid_response_format",
+    ),
+    (
+        "response_format_schema",
+        body(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}
+        ),
+        "response_format",
+        "invalid_json_schema",
+    ),
+    (
+        "bad_tool_call_args",
+        body(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                },
+            ]
+        ),
+        "messages[1]",
+        "invalid_message",
+    ),
 ]
 
 
@@ -234,6 +283,52 @@ def test_invalid_bodies_name_param_and_code(payload, param, code):
     assert err.code == code
     assert err.param == param
     assert err.message  # a human-readable reason
+
+
+def test_sampling_controls_and_roles_are_parsed():
+    req = parse_chat_request(
+        body(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"}]},
+            ],
+            n=3,
+            seed=5,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+            logit_bias={"17": -100, "3": 2.5},
+            min_tokens=2,
+            response_format={"type": "json_object"},
+        )
+    )
+    assert [m["role"] for m in req.messages] == ["system", "user", "assistant", "tool"]
+    assert req.messages[2]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    ]
+    assert req.messages[3]["content"] == "sunny"
+    assert (req.n, req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (3, 0.5, -0.5, 1.2)
+    assert req.logit_bias == {17: -100.0, 3: 2.5} and req.min_tokens == 2
+    assert req.grammar is not None and req.tools is None
+    sampling = [sampling_params(req, 10, 100, i) for i in range(3)]
+    assert [s.seed for s in sampling] == [5, 6, 7]  # one seed per choice
+    assert sampling[0].grammar == req.grammar and sampling[0].logit_bias == {17: -100.0, 3: 2.5}
+
+
+def test_tool_choice_required_constrains_and_none_drops_the_tools():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert parse_chat_request(body(tools=tools)).grammar is None  # auto: free text
+    required = parse_chat_request(body(tools=tools, tool_choice="required"))
+    assert required.grammar is not None and required.tools.constrained[0]["name"] == "f"
+    assert parse_chat_request(body(tools=tools, tool_choice="none")).tools is None
 
 
 def test_error_names_the_failing_message_and_part():

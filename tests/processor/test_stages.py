@@ -28,8 +28,7 @@ class FakeLLM:
 
     def quick(self, msg, reply) -> bool:
         if isinstance(msg, Ping):
-            info = {"block_size": 16, "max_model_len": 4096}
-            reply.send_nowait(Pong("llm", "m", b"fp", info=info, id=self.id))
+            reply.send_nowait(Pong("llm", "m", b"fp", block_size=16, id=self.id))
         elif isinstance(msg, ProbeRequest):
             self.probes += 1
             reply.send_nowait(ProbeReply(self.cached, probe_id=7, load=0, max_model_len=4096))

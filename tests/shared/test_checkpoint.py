@@ -79,3 +79,19 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(CheckpointError, match="model_type"):
         ModelSpec.load(tmp_path)
+
+
+def test_each_family_is_described_once(tiny_models):
+    """What differs between families is data: the stages read these fields, not model names."""
+    got = {}
+    for arch, path in tiny_models.items():
+        spec = ModelSpec.load(path)
+        fam = spec.family
+        assert fam.arch == arch and fam.model_type == spec.model_type
+        got[arch] = (spec.feature_sets, spec.tokens_per_second, fam.timestamped_video, fam.qk_norm)
+    assert got == {
+        "qwen2-vl": (1, 0, False, False),
+        "qwen2.5-vl": (1, 2, False, False),
+        "qwen3-vl": (4, 0, True, True),  # merged + 3 deepstack sets; timestamps; q/k norms
+        "qwen3-vl-moe": (4, 0, True, True),  # the same, with routed experts in the text layers
+    }

@@ -55,7 +55,7 @@ def test_flag_beats_env_beats_default(monkeypatch):
     assert cfg.block_size == 64  # flag
     assert cfg.max_num_seqs == 8  # env
     assert cfg.max_num_batched_tokens == 2048  # default
-    assert cfg.kv_cache_gb == 0.5
+    assert cfg.kv_cache_gb == 0.0  # auto: sized from the device (llm_stage.kv_cache)
 
 
 def test_env_values_are_parsed_to_the_field_type(monkeypatch):
@@ -136,7 +136,8 @@ def test_bad_flag_number_is_an_argparse_error(capsys):
         (LLMConfig, "max_num_seqs", 0),
         (LLMConfig, "max_num_batched_tokens", -1),
         (LLMConfig, "kv_cache_gb", -0.5),
-        (LLMConfig, "kv_cache_gb", 0.0),
+        (LLMConfig, "max_repairs", -1),
+        (LLMConfig, "repair_timeout", 0.0),
         (LLMConfig, "max_queue", 0),
         (LLMConfig, "max_model_len", -1),
         (LLMConfig, "num_kv_blocks", -1),

@@ -1,0 +1,157 @@
+"""Attention over the paged KV cache, behind a small backend seam.
+
+The model runner computes q, k and v for every row of a step and hands them to
+an :class:`AttentionBackend`: the backend plans once per step how attention
+reads the cache (the same for every layer), writes the step's K/V into their
+slots, and attends. :class:`SdpaBackend` is the one backend today: PyTorch's
+scaled-dot-product attention over K/V gathered from the blocks. A paged GPU
+kernel (FlashAttention/FlashInfer style, reading block tables directly) is a
+new class with the same three methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from llm_stage.kv_cache import KVCache
+from llm_stage.scheduler import StepItem
+
+
+class AttentionBackend(Protocol):
+    def plan(self, items: list[StepItem]) -> object:
+        """Per-step metadata for :meth:`write` and :meth:`attend` (rows follow ``items`` in order)."""
+
+    def write(self, layer: int, kv: torch.Tensor, plan: object) -> None:
+        """Store this step's K/V, ``kv`` (rows, 2 * kv_heads, head_dim), in their cache slots."""
+
+    def attend(self, layer: int, qkv: torch.Tensor, plan: object) -> torch.Tensor:
+        """qkv: (rows, heads + 2 * kv_heads, head_dim) → (rows, heads * head_dim)."""
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A multi-token item: attention over its own rows (``context`` None: it starts the sequence)
+    or over the cached context plus them."""
+
+    rows: slice
+    context: torch.Tensor | None = None  # block ids covering tokens [0, end)
+    length: int = 0  # end
+    mask: torch.Tensor | None = None  # (rows, length), additive: row i sees tokens <= start + i
+
+
+@dataclass(slots=True)
+class SdpaPlan:
+    """How attention reads the cache this step (the same for every layer, so built once).
+
+    Single-token decodes share one padded, masked attention call; every other item
+    (a prefill chunk) gets its own call.
+    """
+
+    new_slots: torch.Tensor  # cache slot of every row computed this step
+    prefills: list[_Prefill]
+    decode_rows: torch.Tensor | None = None  # (B,) rows of the decodes, when prefills share the step
+    decode_blocks: torch.Tensor | None = None  # (B * widest,) block ids, padded with block 0
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, widest * block_size), additive
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as the additive one SDPA would otherwise build in every layer."""
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return blocked.masked_fill_(~allowed, float("-inf"))
+
+
+class SdpaBackend:
+    def __init__(self, kv: KVCache, num_heads: int, scaling: float):
+        self.kv = kv
+        self.num_heads = num_heads
+        self.scaling = scaling
+        self.device = kv.kv.device
+        self.dtype = kv.kv.dtype
+
+    def plan(self, items: list[StepItem]) -> SdpaPlan:
+        size = self.kv.block_size
+        decodes = [it for it in items if it.num_tokens == 1 and it.start > 0]
+        if len(decodes) < 2:
+            decodes = []
+        batched = {id(it) for it in decodes}
+        new_slots: list[int] = []
+        prefills = []
+        row = 0
+        decode_rows: list[int] = []
+        for item in items:
+            table, start, end = item.seq.block_table, item.start, item.end
+            new_slots += [table[t // size] * size + t % size for t in range(start, end)]
+            if id(item) in batched:
+                decode_rows.append(row)
+                row += 1
+                continue
+            prefill = _Prefill(slice(row, row + end - start))
+            row += end - start
+            if start > 0:
+                prefill.context = torch.tensor(table[: -(-end // size)], device=self.device)
+                prefill.length = end
+                if end - start > 1:
+                    cols = torch.arange(end, device=self.device)
+                    rows = torch.arange(start, end, device=self.device)
+                    prefill.mask = _additive(cols[None, :] <= rows[:, None], self.dtype)
+            prefills.append(prefill)
+        plan = SdpaPlan(torch.tensor(new_slots, device=self.device), prefills)
+        if decodes:
+            widest = max(-(-it.end // size) for it in decodes)
+            tables = [it.seq.block_table[:widest] for it in decodes]
+            plan.decode_blocks = torch.tensor(
+                [b for t in tables for b in t + [0] * (widest - len(t))], device=self.device
+            )
+            ends = torch.tensor([it.end for it in decodes], device=self.device)
+            cols = torch.arange(widest * size, device=self.device)
+            plan.decode_mask = _additive(cols[None, :] < ends[:, None], self.dtype)[:, None, None]
+            if prefills:
+                plan.decode_rows = torch.tensor(decode_rows, device=self.device)
+        return plan
+
+    def write(self, layer: int, kv: torch.Tensor, plan: SdpaPlan) -> None:
+        self.kv.kv[layer].index_copy_(0, plan.new_slots, kv)
+
+    def attend(self, layer: int, qkv: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
+        heads, kv_heads = self.num_heads, self.kv.num_kv_heads
+        q = qkv[:, :heads]
+        if not plan.prefills:  # decodes only: one call, rows in order
+            return self._decode(layer, q, plan).view(q.shape[0], -1)
+        out = torch.empty_like(q)
+        for p in plan.prefills:
+            query = q[p.rows].transpose(0, 1)[None]
+            if p.context is None:  # the sequence's first tokens: K/V are right here
+                kv = qkv[p.rows, heads:]
+            else:
+                kv = self.kv.blocks(layer).index_select(0, p.context).flatten(0, 1)[: p.length]
+            keys = kv[:, :kv_heads].transpose(0, 1)[None]
+            values = kv[:, kv_heads:].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                query,
+                keys,
+                values,
+                attn_mask=p.mask,
+                is_causal=p.context is None and query.shape[2] > 1,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+            out[p.rows] = o[0].transpose(0, 1)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = self._decode(layer, q[plan.decode_rows], plan)
+        return out.view(out.shape[0], -1)
+
+    def _decode(self, layer: int, q: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
+        """One token of each of B sequences: q (B, heads, head_dim) → (B, heads, head_dim)."""
+        kv_heads = self.kv.num_kv_heads
+        cache = self.kv.blocks(layer)
+        kv = cache.index_select(0, plan.decode_blocks).view(q.shape[0], -1, *cache.shape[2:])
+        keys = kv[:, :, :kv_heads].transpose(1, 2)  # (B, kv_heads, widest * block_size, head_dim)
+        values = kv[:, :, kv_heads:].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None], keys, values, attn_mask=plan.decode_mask, scale=self.scaling, enable_gqa=True
+        )
+        return o[:, :, 0]

@@ -1,0 +1,156 @@
+"""OpenAI chat-completion response shapes and their SSE framing."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import orjson
+from aiohttp import web
+
+from processor.detokenizer import Detokenizer
+from processor.pipeline import Prepared
+from processor.request import ChatRequest
+from processor.tools import ToolCall, ToolStream, split_tool_calls
+from shared.messages import GenerateChunk
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+async def sse(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+def model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "mmcache"}
+
+
+class Choice:
+    """One choice's tokens, text and finish; tool-call blocks come out as ``tool_calls``."""
+
+    def __init__(self, index: int, tokenizer, req: ChatRequest):
+        self.index = index
+        self.detok = Detokenizer(tokenizer, req.stop)
+        self.tools = ToolStream() if req.tools is not None else None
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    def update(self, chunk: GenerateChunk) -> None:
+        if self.finish_reason is not None:
+            return  # a stop string ended it; the stage's last tokens are not part of the answer
+        self.num_output_tokens += len(chunk.token_ids)
+        self.num_cached_tokens = chunk.num_cached_tokens
+        self.detok.add(chunk.token_ids)
+        if self.detok.stopped:
+            self.finish_reason = "stop"
+        elif chunk.finish_reason is not None:
+            self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
+
+    def delta(self) -> dict:
+        """What to stream now: new text, and each tool call once its block has closed."""
+        final = self.finish_reason is not None
+        text = self.detok.flush() if final else self.detok.safe_delta()
+        if self.tools is None:
+            return {"content": text} if text else {}
+        content, calls = self.tools.feed(text, final)
+        out: dict = {"content": content} if content else {}
+        if calls:
+            first = len(self.tools.calls) - len(calls)
+            out["tool_calls"] = [call.as_dict(first + i) for i, call in enumerate(calls)]
+        return out
+
+    def message(self) -> dict:
+        text = self.detok.flush()
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = split_tool_calls(text)
+        message: dict = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
+            self.tools.calls = calls
+        return message
+
+    @property
+    def openai_finish_reason(self) -> str:
+        if self.tools is not None and self.tools.calls and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason or "stop"
+
+
+class Completion:
+    """Accumulates one completion's state and renders OpenAI response shapes."""
+
+    def __init__(self, model: str, req: ChatRequest, prepared: Prepared, tokenizer):
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.req = req
+        self.prepared = prepared
+        self.num_prompt_tokens = len(prepared.token_ids)
+        self.choices = [Choice(i, tokenizer, req) for i in range(req.n)]
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict:
+        completion_tokens = sum(c.num_output_tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.num_prompt_tokens + completion_tokens,
+            # NOTE: the first choice's prefill; the others reuse it (n choices, one prompt).
+            "prompt_tokens_details": {"cached_tokens": self.choices[0].num_cached_tokens},
+            "mm_cache": self.prepared.report.as_dict(),
+        }
+
+    def body(self) -> dict:
+        choices = []
+        for c in self.choices:
+            choice = {
+                "index": c.index,
+                "message": c.message(),
+                "finish_reason": c.openai_finish_reason,
+                "logprobs": None,
+            }
+            if self.req.return_token_ids:
+                choice["token_ids"] = c.detok.token_ids
+            choices.append(choice)
+        out = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+        if self.req.return_token_ids:
+            out["prompt_token_ids"] = self.prepared.token_ids
+        return out
+
+    def chunk(self, choice: Choice, delta: dict, finish: bool = False) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": choice.index,
+                    "delta": delta,
+                    "finish_reason": choice.openai_finish_reason if finish else None,
+                    "logprobs": None,
+                }
+            ],
+        }
+
+    def usage_chunk(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
