@@ -32,7 +32,7 @@ from shared.messages import (
 )
 from shared.metrics import MetricsServer
 from shared.rpc import Responder
-from shared.service import run_stage
+from shared.service import replica_id, run_stage
 from shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,14 @@ class EncoderService:
         info = self.stats()
         if self.metrics_server is not None and self.metrics_server.port is not None:
             info["metrics_port"] = self.metrics_server.port
-        return Pong("encoder", self.tower.spec.name, self.tower.fingerprint, self.batcher.queued, info)
+        return Pong(
+            "encoder",
+            self.tower.spec.name,
+            self.tower.fingerprint,
+            self.batcher.queued,
+            info,
+            id=replica_id(),
+        )
 
     def _lookup(self, key: bytes, handoff: bool) -> bool:
         """Present? (then pinned for hand-off if asked). A key still being computed counts as

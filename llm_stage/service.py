@@ -43,7 +43,7 @@ from shared.messages import (
 )
 from shared.metrics import MetricsServer
 from shared.rpc import Responder
-from shared.service import run_stage
+from shared.service import replica_id, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,13 @@ class LLMService:
         if self.metrics_server is not None and self.metrics_server.port is not None:
             info["metrics_port"] = self.metrics_server.port
         return Pong(
-            "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, self.cfg.block_size
+            "llm",
+            self.spec.name,
+            self.spec.weights_fingerprint,
+            self.engine.load,
+            info,
+            self.cfg.block_size,
+            id=replica_id(),
         )
 
     # --- probe ----------------------------------------------------------------------------

@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir")
     tiny.add_argument("--arch", default="qwen2-vl", choices=TINY_MODEL_ARCHS)
 
+    ping = sub.add_parser("ping", help="exit 0 when the stage at ADDRESS answers (health checks)")
+    ping.add_argument("address", help="e.g. tcp://127.0.0.1:5556")
+    ping.add_argument("--timeout", type=float, default=5.0)
+
     bench = sub.add_parser(
         "bench", help="load a deployment (bench URL), or run the built-in benchmarks and print their ratios"
     )
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
         from mmcache.loadgen.cli import main as load
 
         sys.exit(load(args))
+    elif args.command == "ping":
+        from mmcache.ping import ping
+
+        sys.exit(ping(args.address, args.timeout))
     elif args.command == "bench":
         from mmcache.bench import run_benchmarks
 

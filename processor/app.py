@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -107,13 +108,21 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Each stage replica, whether it answers, and where Prometheus scrapes it."""
+    """200 when every replica found answers; with ``?ready=1``, when each tier has one that does
+    (can serve: what container health checks and readiness probes ask, so a replica that is still
+    starting or has died does not take the processor out too)."""
     encoders, llms = await request.app[STAGES].health()
     stages = [*(("encoder", h) for h in encoders), *(("llm", h) for h in llms)]
-    ok = all(h.pong is not None for _, h in stages)
+    up = [h.pong is not None for _, h in stages]
+    # NOTE: a tier whose name resolves to no replica yet is never healthy.
+    if request.query.get("ready"):
+        ok = any(h.pong for h in encoders) and any(h.pong for h in llms)
+    else:
+        ok = bool(encoders) and bool(llms) and all(up)
     body = {
         "status": "ok" if ok else "unavailable",
         "metrics_url": str(request.url.with_path("/metrics").with_query(None)),
+        "worker": os.getpid(),  # which of the `--workers` processes answered
         "stages": [
             {
                 "stage": kind,
@@ -237,6 +246,15 @@ def _unknown_model(name: str, served: str, param: str | None) -> APIError:
 
 
 def run(cfg: ProcessorConfig) -> None:
+    if cfg.workers > 1:
+        from processor.workers import run_workers
+
+        raise SystemExit(run_workers(cfg))
+    serve(cfg)
+
+
+def serve(cfg: ProcessorConfig, reuse_port: bool = False) -> None:
+    """One processor process; with ``reuse_port`` it shares the port with its sibling workers."""
     from shared.logs import setup_logging
     from shared.metrics import setup_metrics
     from shared.torch_utils import set_threads
@@ -248,6 +266,7 @@ def run(cfg: ProcessorConfig) -> None:
         init(cfg),
         host=cfg.host,
         port=cfg.port,
+        reuse_port=reuse_port or None,
         handler_cancellation=True,
         print=None,
         access_log=None,

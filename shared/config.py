@@ -90,6 +90,9 @@ def split_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+MAX_WORKERS = 64
+
+
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{flag_name(name)} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -209,6 +212,7 @@ class ProcessorConfig:
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
     max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
+    workers: int = opt(1, "processor processes on the one HTTP port (SO_REUSEPORT), each with its own caches")
     torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
     allowed_origins: str = opt(
@@ -231,8 +235,11 @@ class ProcessorConfig:
             "max_request_bytes",
             "stage_timeout",
             "max_concurrent_requests",
+            "workers",
         ):
             _positive(name, getattr(self, name))
+        if self.workers > MAX_WORKERS:
+            raise ValueError(f"--workers must be at most {MAX_WORKERS}, got {self.workers}")
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
