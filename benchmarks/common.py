@@ -8,35 +8,16 @@ medians of ``time.perf_counter`` samples taken after warm-up.
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import hashlib
-import json
 import os
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmcache.launcher import die_with_parent
-from tests.e2e.server import alive as _alive
-from tests.e2e.server import descendants, free_port
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # ``tests.media`` and the stages, from any working directory
-    sys.path.insert(0, str(REPO_ROOT))
-
-STARTUP_TIMEOUT = 180.0
-STOP_TIMEOUT = 30.0
-
+from mmcache.harness import Server, StageProcess, free_port
 
 # --- results ---------------------------------------------------------------------------------------
 
@@ -202,143 +183,9 @@ def model_dir(arch: str = "qwen2-vl") -> Path:
     return path
 
 
-# --- processes -----------------------------------------------------------------------------------------
-# NOTE: the same process helpers the end-to-end tests use (and the launcher's parent-death signal).
+# --- processes: the package's harness (the one the end-to-end tests use) ---------------------------
 
-
-_LIVE: set[StageProcess] = set()
-
-
-class StageProcess:
-    """A child process tree (``python -m module args``) that is always stopped: by :meth:`stop`, at
-    interpreter exit, or by the kernel when this process dies (PR_SET_PDEATHSIG)."""
-
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, module: str = "mmcache"):
-        self.log_path = Path(tempfile.mkstemp(prefix="mmcache-bench-", suffix=".log")[1])
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
-        full_env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            env=full_env,
-            cwd=REPO_ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
-        )
-        self.tree: set[int] = set()
-        _LIVE.add(self)
-
-    def log_tail(self, lines: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def check_running(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"mmcache exited with {self.proc.returncode}:\n{self.log_tail()}")
-
-    def stop(self) -> set[int]:
-        """SIGTERM, wait, SIGKILL what is left of the tree; returns pids that had to be killed."""
-        if self not in _LIVE:
-            return set()
-        _LIVE.discard(self)
-        tree = self.tree | descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        deadline = time.monotonic() + 10
-        alive = {pid for pid in tree if _alive(pid)}
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = {pid for pid in alive if _alive(pid)}
-        for pid in alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self._log.close()
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
-        return alive
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@atexit.register
-def _stop_all() -> None:
-    for proc in list(_LIVE):
-        proc.stop()
-
-
-class Server(StageProcess):
-    """``mmcache serve`` on a free port, healthy when constructed (unless ``wait=False``: then
-    call :meth:`wait_healthy`, so that several servers can start at once)."""
-
-    def __init__(
-        self,
-        model: Path,
-        *args: str,
-        media_dir: Path | None = None,
-        env: dict[str, str] | None = None,
-        wait: bool = True,
-    ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = ["serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
-        if media_dir is not None:
-            cmd += ["--allowed-local-media-path", str(media_dir)]
-        super().__init__(cmd, env)
-        if wait:
-            self.wait_healthy()
-
-    def wait_healthy(self) -> None:
-        """Block until ``/health`` answers 200; stops the server and raises if it never does."""
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            self.check_running()
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        self.tree = descendants(self.proc.pid)
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.3)
-        raise RuntimeError(f"mmcache serve did not become healthy:\n{self.log_tail()}")
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` as ``{name{labels}: value}``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    out[name] = float(value)
-        return out
-
-    def model_name(self) -> str:
-        with urllib.request.urlopen(self.url + "/v1/models", timeout=30) as resp:
-            return json.loads(resp.read())["data"][0]["id"]
-
-
-def metric(metrics: dict[str, float], prefix: str) -> float:
-    """Sum of every series whose name (labels included) starts with ``prefix``."""
-    return sum(v for k, v in metrics.items() if k == prefix or k.startswith(prefix + "{"))
+__all__ = ["Server", "StageProcess", "free_port"]
 
 
 def interleaved(fns: Sequence[Callable[[], Any]], budget: Budget) -> list[list[float]]:

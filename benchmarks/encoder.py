@@ -107,11 +107,11 @@ async def hit_vs_miss(client, rng: np.random.Generator, quick: bool) -> tuple[Re
 def wire_bytes(quick: bool) -> list[Result]:
     from transformers import AutoProcessor
 
+    from mmcache.media import image_bytes, video_bytes
     from processor.media_decode import DecodeLimits, decode_image, decode_video
     from processor.preprocess import Preprocessor
     from shared.messages import EncodeItem, EncodeRequest
     from shared.wire import encode
-    from tests.media import image_bytes, video_bytes
 
     model = model_dir()
     limits = DecodeLimits(40_000_000, 2.0, 64, 600.0)

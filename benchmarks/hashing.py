@@ -52,7 +52,7 @@ def _fp():
 
 
 def media_hashing(quick: bool) -> list[Result]:
-    from tests.media import image_bytes
+    from mmcache.media import image_bytes
 
     fp = _fp()
     rng = np.random.default_rng(0)

@@ -38,7 +38,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.chat import MAX_TOKENS, batch, body, image, text, ttft, user, warm_up, words
-from benchmarks.common import Result, Server, main, median, metric, model_dir, say, spread
+from benchmarks.common import Result, Server, main, median, model_dir, say, spread
 
 THROUGHPUT_GOAL = 3.0
 NO_CACHE_GOAL = 0.97
@@ -55,7 +55,7 @@ THREADS = os.environ.get("MMCACHE_BENCH_SERVER_THREADS", "")
 
 def _throughput_requests(model: str, media: Path, seed: int, n: int) -> tuple[list[dict], list[tuple]]:
     """n requests (a distinct image file + a distinct question); also the HF form of each."""
-    from tests.media import image_bytes
+    from mmcache.media import image_bytes
 
     rng = np.random.default_rng(seed)
     payloads, hf = [], []
@@ -188,7 +188,8 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
         if time.monotonic() > deadline and r >= 1:
             break
     after = on.metrics()
-    hits = metric(after, "mmcache_llm_prefix_hits") - metric(before, "mmcache_llm_prefix_hits")
+    name = "mmcache_llm_prefix_cache_hits_total"
+    hits = after.total(name) - before.total(name)
     say(f"  ~{prompt_tokens} prompt tokens per request; prefix-cache hits during the run: {hits:.0f} tokens")
     return rates | {"ratios": [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]}
 
@@ -199,8 +200,8 @@ async def cache_overhead(session, on: Server, off: Server, model: str, quick: bo
 async def ttft_cached(
     session, server: Server, model: str, media: Path, quick: bool, system_words: int
 ) -> dict:
+    from mmcache.media import data_url, image_bytes
     from processor.media_source import SETTLED_SECONDS
-    from tests.media import data_url, image_bytes
 
     rng = np.random.default_rng(5 + system_words)
     system = {"role": "system", "content": "You are a careful assistant. " + words(rng, system_words)}

@@ -73,11 +73,11 @@ def _pipeline(model: Path, media_dir: Path, **overrides):
 
 
 def run(quick: bool = False) -> list[Result]:
+    from mmcache.media import image_bytes
     from processor.media_decode import decode_image
     from processor.media_source import SETTLED_SECONDS
     from processor.request import parse_chat_request
     from shared.keys import chunk_key, media_key
-    from tests.media import image_bytes
 
     model = model_dir()
     num_misses = 3 if quick else 12

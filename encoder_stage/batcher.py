@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,18 @@ class BatchStats:
 
 @dataclass(slots=True)
 class _Pending:
-    chunk: Chunk
+    chunk: VisionInput
     patches: int
     future: asyncio.Future = field(repr=False)
 
 
+OnForward = Callable[[int, int, float], None]  # (chunks, patches, seconds) of one forward
+
+
 class Batcher:
-    def __init__(self, tower: VisionTower, max_batch_tokens: int):
+    def __init__(self, tower: VisionTower, max_batch_tokens: int, on_forward: OnForward | None = None):
         self._tower = tower
+        self._on_forward = on_forward
         self.max_tokens = max_batch_tokens
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
@@ -48,7 +54,7 @@ class Batcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def encode(self, chunk: Chunk) -> torch.Tensor:
+    async def encode(self, chunk: VisionInput) -> torch.Tensor:
         """Embeddings of one chunk, computed in the next forward that has room for it."""
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run())
@@ -82,6 +88,7 @@ class Batcher:
 
     async def _forward(self, loop: asyncio.AbstractEventLoop, batch: list[_Pending]) -> None:
         chunks = [p.chunk for p in batch]
+        started = time.perf_counter()
         try:
             outputs = await loop.run_in_executor(self._executor, self._tower.encode, chunks)
         except Exception as exc:
@@ -94,9 +101,12 @@ class Batcher:
             for pending in batch:
                 await self._forward(loop, [pending])
             return
+        patches = sum(p.patches for p in batch)
         self.stats.forwards += 1
         self.stats.chunks += len(batch)
-        self.stats.patches += sum(p.patches for p in batch)
+        self.stats.patches += patches
+        if self._on_forward is not None:
+            self._on_forward(len(batch), patches, time.perf_counter() - started)
         for pending, out in zip(batch, outputs, strict=True):
             if not pending.future.done():
                 pending.future.set_result(out)

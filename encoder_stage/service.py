@@ -11,7 +11,8 @@ import zmq
 
 from encoder_stage.batcher import Batcher
 from encoder_stage.embedding_cache import EmbeddingCache
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.metrics import EncoderMetrics
+from encoder_stage.vision import VisionInput, VisionTower
 from shared.checkpoint import ModelSpec
 from shared.config import EncoderConfig
 from shared.keys import ChunkKey, embed_key
@@ -29,8 +30,9 @@ from shared.messages import (
     Pong,
     ReleaseHandoff,
 )
+from shared.metrics import MetricsServer
 from shared.rpc import Responder
-from shared.service import run_stage
+from shared.service import replica_id, run_stage
 from shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -47,10 +49,14 @@ class EncoderService:
     def __init__(self, cfg: EncoderConfig, tower: VisionTower):
         self.cfg = cfg
         self.tower = tower
-        self.batcher = Batcher(tower, cfg.max_batch_tokens or default_batch_tokens(tower.device))
+        self.metrics = EncoderMetrics(self.stats)
+        self.batcher = Batcher(
+            tower, cfg.max_batch_tokens or default_batch_tokens(tower.device), self.metrics.forward
+        )
         self.cache = EmbeddingCache(cfg.cache_bytes, cfg.handoff_ttl)
         self._flight: SingleFlight[bytes, torch.Tensor] = SingleFlight()
         self.num_fetches = 0
+        self.metrics_server: MetricsServer | None = None
 
     def key(self, chunk: bytes) -> bytes:
         return embed_key(ChunkKey(chunk), self.tower.fingerprint)
@@ -79,12 +85,13 @@ class EncoderService:
         else:
             await reply.send(ErrorReply("bad_message", f"encoder does not handle {type(msg).__name__}", 400))
 
-    def pong(self) -> Pong:
-        stats, cache = self.batcher.stats, self.cache
-        info = {
-            "forwards": stats.forwards,
-            "chunks_encoded": stats.chunks,
-            "patches": stats.patches,
+    def stats(self) -> dict[str, int]:
+        """This replica's numbers (read by the metrics thread: ints and lengths only)."""
+        batches, cache = self.batcher.stats, self.cache
+        return {
+            "forwards": batches.forwards,
+            "chunks_encoded": batches.chunks,
+            "patches": batches.patches,
             "cache_hits": cache.stats.hits,
             "cache_misses": cache.stats.misses,
             "cache_evictions": cache.stats.evictions,
@@ -92,8 +99,21 @@ class EncoderService:
             "cache_bytes": cache.nbytes,
             "cache_capacity_bytes": cache.capacity,
             "fetches": self.num_fetches,
+            "queued": self.batcher.queued,
         }
-        return Pong("encoder", self.tower.spec.name, self.tower.fingerprint, self.batcher.queued, info)
+
+    def pong(self) -> Pong:
+        info = self.stats()
+        if self.metrics_server is not None and self.metrics_server.port is not None:
+            info["metrics_port"] = self.metrics_server.port
+        return Pong(
+            "encoder",
+            self.tower.spec.name,
+            self.tower.fingerprint,
+            self.batcher.queued,
+            info,
+            id=replica_id(),
+        )
 
     def _lookup(self, key: bytes, handoff: bool) -> bool:
         """Present? (then pinned for hand-off if asked). A key still being computed counts as
@@ -122,7 +142,7 @@ class EncoderService:
             self.cache.put(key, rows, handoff)
 
     async def _compute(self, key: bytes, item: EncodeItem) -> torch.Tensor:
-        rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
+        rows = await self.batcher.encode(VisionInput(item.modality, item.pixels))
         self.cache.put(key, rows, handoff=False)
         return rows
 
@@ -167,6 +187,14 @@ def run(cfg: EncoderConfig) -> None:
 
     async def make(ctx: zmq.Context):
         service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
-        return service.handle, service.quick, service.close
+        metrics = service.metrics_server = await MetricsServer.start(
+            service.metrics.registry, cfg.metrics_port
+        )
 
-    run_stage("encoder", cfg.bind, cfg.torch_threads, make)
+        async def close() -> None:
+            service.close()
+            await metrics.close()
+
+        return service.handle, service.quick, close
+
+    run_stage("encoder", cfg.bind, cfg.torch_threads, make, cfg.log_format)

@@ -150,11 +150,10 @@ class Engine:
             self.blocks.release(self._probes.pop(probe_id)[0])
 
     def memory_info(self) -> dict[str, int]:
-        """Bytes of the KV pool and of the prompt logprob store beside it, and the budget they share."""
+        """Bytes of the prompt logprob store beside the KV pool, and the budget they share."""
         store = self.blocks.logprobs
         return {
             "kv_budget_bytes": self.budget_bytes,
-            "kv_cache_bytes": self.kv.kv.nbytes,
             "prompt_logprob_store_bytes": store.nbytes if store is not None else 0,
             "prompt_logprob_blocks": store.num_carrying if store is not None else 0,
         }

@@ -36,6 +36,7 @@ class PromptLogprobStore:
         # NOTE: a block's slots are all written (by the sequence that computed it) or it counts as
         # carrying none: ``has[b]`` is set only for a whole block, cleared when the block is reused.
         self.has = [False] * num_blocks
+        self.num_carrying = 0  # blocks whose ``has`` is set (read by the metrics thread)
 
     @staticmethod
     def bytes_per_block(block_size: int) -> int:
@@ -45,14 +46,11 @@ class PromptLogprobStore:
     def nbytes(self) -> int:
         return self.ids.nbytes + self.values.nbytes
 
-    @property
-    def num_carrying(self) -> int:
-        return sum(self.has)
-
     def write(self, block_id: int, ids: torch.Tensor, values: torch.Tensor) -> None:
         """All slots of ``block_id``: ``ids`` / ``values`` shaped (block_size, 1 + K_MAX)."""
         self.ids[block_id] = ids.to(self.ids.device)
         self.values[block_id] = values.to(self.values.device)
+        self.num_carrying += not self.has[block_id]
         self.has[block_id] = True
 
     def read(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +61,7 @@ class PromptLogprobStore:
         return ids.cpu(), values.cpu()
 
     def forget(self, block_id: int) -> None:
+        self.num_carrying -= self.has[block_id]
         self.has[block_id] = False
 
 

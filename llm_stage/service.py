@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,9 +17,11 @@ import zmq
 
 from llm_stage.engine import Engine
 from llm_stage.grammar import GrammarCache, GrammarError
+from llm_stage.kv_cache import KVCache
 from llm_stage.media_fetch import ChunkRef, MediaFetcher, chunk_refs
+from llm_stage.metrics import LLMMetrics
 from llm_stage.scheduler import StepOutput
-from llm_stage.sequence import Sequence
+from llm_stage.sequence import SeqStatus, Sequence
 from llm_stage.validate import RequestError, validate, validate_probe
 from shared.block_hash import block_hashes, root_hash
 from shared.checkpoint import ModelSpec
@@ -39,8 +42,9 @@ from shared.messages import (
     ReleaseProbe,
     TokenLogprobs,
 )
+from shared.metrics import MetricsServer
 from shared.rpc import Responder
-from shared.service import run_stage
+from shared.service import replica_id, run_stage
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,10 @@ class LLMService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self.repairs: Counter[str] = Counter()  # by cause
+        self.repairs: Counter[str] = Counter()  # mid-request repairs, by cause (any chunk unreachable)
+        self._block_bytes = KVCache.bytes_per_block(engine.lm, cfg.block_size, engine.dtype)
+        self.metrics = LLMMetrics(self.stats)
+        self.metrics_server: MetricsServer | None = None
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -107,29 +114,51 @@ class LLMService:
                 ErrorReply("bad_message", f"llm stage does not handle {type(msg).__name__}", 400)
             )
 
-    def pong(self) -> Pong:
-        stats, fetch = self.engine.blocks.stats, self.fetcher.stats
-        info = {
-            "max_model_len": self.engine.max_model_len,
-            "prefix_cache": int(self.cfg.prefix_cache),
-            "prefix_queries": stats.queries,
-            "prefix_hits": stats.hits,
-            "evictions": stats.evictions,
-            "preemptions": self.engine.scheduler.num_preemptions,
+    def stats(self) -> dict[str, int | float]:
+        """This replica's numbers (read by the metrics thread: ints and lengths only)."""
+        blocks, fetch, scheduler = self.engine.blocks, self.fetcher.stats, self.engine.scheduler
+        total = len(blocks.blocks)
+        used = total - blocks.num_free_blocks
+        running = sum(1 for seq in scheduler.running if seq.status is SeqStatus.RUNNING)
+        return {
+            "prefix_queries": blocks.stats.queries,
+            "prefix_hits": blocks.stats.hits,
+            "evictions": blocks.stats.evictions,
+            "preemptions": scheduler.num_preemptions,
             "steps": self.engine.num_steps,
-            "free_blocks": self.engine.blocks.num_free_blocks,
+            "free_blocks": total - used,
+            "used_blocks": used,
+            "kv_usage": used / total if total else 0.0,
+            "kv_bytes": used * self._block_bytes,
+            "kv_capacity_bytes": total * self._block_bytes,
+            "running": running,
+            "waiting": len(scheduler.waiting) + len(scheduler.running) - running,
             "embedding_fetches": fetch.fetches,
             "embedding_rows_fetched": fetch.rows,
             "embedding_feature_rows_fetched": fetch.feature_rows,
             "chunks_skipped": fetch.chunks_skipped,
-            "repairs": sum(self.repairs.values()),
-            **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
             "grammar_compiles": self.grammars.stats.compiles,
             "grammar_cache_hits": self.grammars.stats.hits,
             **self.engine.memory_info(),
         }
+
+    def pong(self) -> Pong:
+        info = {
+            "max_model_len": self.engine.max_model_len,
+            "prefix_cache": int(self.cfg.prefix_cache),
+            **self.stats(),
+            **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
+        }
+        if self.metrics_server is not None and self.metrics_server.port is not None:
+            info["metrics_port"] = self.metrics_server.port
         return Pong(
-            "llm", self.spec.name, self.spec.weights_fingerprint, self.engine.load, info, self.cfg.block_size
+            "llm",
+            self.spec.name,
+            self.spec.weights_fingerprint,
+            self.engine.load,
+            info,
+            self.cfg.block_size,
+            id=replica_id(),
         )
 
     # --- probe ----------------------------------------------------------------------------
@@ -172,6 +201,7 @@ class LLMService:
         )
 
     async def _generate(self, msg: GenerateRequest, reply: Responder) -> None:
+        arrived = time.perf_counter()
         try:
             validate(msg, self.spec, self.engine.lm, self.engine.max_model_len)
         except RequestError as exc:
@@ -199,10 +229,12 @@ class LLMService:
         self._by_request[key] = live
         try:
             self._ensure_loop()
+            self.metrics.track(seq, arrived)
             self.engine.submit(seq)
             self._wakeup.set()
             await self._stream(live, msg.stream)
         finally:
+            self.metrics.forget(seq.seq_id)
             self._live.pop(seq.seq_id, None)
             self._by_request.pop(key, None)
             for task in live.tasks:
@@ -263,6 +295,7 @@ class LLMService:
         """Fetch the rows ``live`` lacks; rows gone at their encoders are re-encoded by the
         processor on the live request (a repair), at most ``--max-repairs`` times."""
         seq, rows, todo = live.seq, [], ranges
+        started = time.perf_counter()
         try:
             while True:
                 result = await self.fetcher.fetch(live.refs, todo, live.pinned)
@@ -277,6 +310,7 @@ class LLMService:
                     for r in live.refs
                     if r.key in result.lost and r.end > lo and r.start < hi
                 ]
+            self.metrics.fetched(time.perf_counter() - started)
             self.engine.add_rows(seq, rows)
         except Exception as exc:
             log.exception("fetching media rows for sequence %d failed", seq.seq_id)
@@ -294,11 +328,12 @@ class LLMService:
             self.engine.fail(live.seq, message)
             return False
         live.repairs += 1
-        self.repairs.update(causes)
+        cause = "unreachable" if "unreachable" in causes else "missing"
+        self.repairs[cause] += 1
+        self.metrics.repairs.labels(cause).inc()
         log.info("sequence %d: re-encoding %d chunk(s) (%s)", live.seq.seq_id, len(lost), dict(causes))
         live.reencoded = asyncio.get_running_loop().create_future()
         try:
-            cause = "unreachable" if "unreachable" in causes else "missing"
             await live.reply.send(NeedEncode(list(lost), cause), final=False)
             async with asyncio.timeout(self.cfg.repair_timeout):
                 done = await live.reencoded
@@ -328,6 +363,7 @@ class LLMService:
             if not self.engine.has_work():
                 await self._wakeup.wait()
             self._wakeup.clear()  # NOTE: before the step, so nothing sent during it is missed
+            started = time.perf_counter()
             try:
                 result = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception:
@@ -337,6 +373,7 @@ class LLMService:
                 for live in self._live.values():
                     live.queue.put_nowait(StepOutput(live.seq.seq_id, None, "error", 0, 0, "engine failure"))
                 raise
+            self.metrics.step(started, time.perf_counter(), result.outputs)
             for out in result.outputs:
                 live = self._live.get(out.seq_id)
                 if live is not None:
@@ -382,6 +419,14 @@ def run(cfg: LLMConfig) -> None:
         engine = Engine(cfg, spec)
         fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size, spec.feature_sets)
         service = LLMService(cfg, engine, fetcher)
-        return service.handle, service.quick, service.close
+        metrics = service.metrics_server = await MetricsServer.start(
+            service.metrics.registry, cfg.metrics_port
+        )
 
-    run_stage("llm", cfg.bind, cfg.torch_threads, make)
+        async def close() -> None:
+            service.close()
+            await metrics.close()
+
+        return service.handle, service.quick, close
+
+    run_stage("llm", cfg.bind, cfg.torch_threads, make, cfg.log_format)

@@ -15,14 +15,9 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parents[1]
 
 
 def _modules() -> tuple[str, ...]:
-    if str(_REPO) not in sys.path:  # the benchmarks package sits next to mmcache/, not installed
-        sys.path.insert(0, str(_REPO))
     from benchmarks import MODULES
 
     return MODULES

@@ -23,7 +23,9 @@ from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_argumen
 
 log = logging.getLogger("mmcache.serve")
 
-_ADDRESS_FIELDS = {"bind", "encoder", "llm"}
+# Chosen by the launcher, not by a flag: the stages' addresses, and their metrics ports (any free
+# port each; the processor's /health lists where they are).
+_ADDRESS_FIELDS = {"bind", "encoder", "llm", "metrics_port"}
 GRACE_SECONDS = 10.0
 
 
@@ -78,8 +80,10 @@ def serve(args: argparse.Namespace) -> int:
     enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
     threads = _thread_split(args)
     configs = {
-        "encoder": from_args(EncoderConfig, args, model=model, bind=enc_addr, **threads["encoder"]),
-        "llm": from_args(LLMConfig, args, model=model, bind=llm_addr, **threads["llm"]),
+        "encoder": from_args(
+            EncoderConfig, args, model=model, bind=enc_addr, metrics_port=0, **threads["encoder"]
+        ),
+        "llm": from_args(LLMConfig, args, model=model, bind=llm_addr, metrics_port=0, **threads["llm"]),
         "processor": from_args(
             ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, **threads["processor"]
         ),
@@ -92,10 +96,11 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    env = {k: v for k, v in os.environ.items() if k != "MMCACHE_METRICS_PORT"}
     try:
         for name, cfg in configs.items():
             cmd = [sys.executable, "-m", "mmcache", name, *to_flags(cfg)]
-            children[name] = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+            children[name] = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         log.info(
             "mmcache serving %s on http://%s:%d (pids %s)",
             model,
@@ -128,5 +133,8 @@ def _stop_all(children: dict[str, subprocess.Popen]) -> None:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                log.warning(
+                    "%s did not stop within %.0f s of SIGTERM; killing it", proc.args[3], GRACE_SECONDS
+                )
                 proc.kill()
                 proc.wait()

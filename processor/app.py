@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
 from collections.abc import AsyncIterator
 
 import zmq
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from processor.body import load_body
 from processor.choices import choices
@@ -17,15 +20,18 @@ from processor.dispatch import Dispatcher
 from processor.errors import APIError, error_body, error_middleware
 from processor.http_fetch import HttpFetcher, parse_networks
 from processor.media_source import MediaSource
-from processor.pipeline import Pipeline, Prepared
+from processor.metrics import ProcessorMetrics
+from processor.pipeline import Pipeline
 from processor.preprocess import Preprocessor
 from processor.prompt import PromptBuilder
 from processor.request import parse_chat_request
+from processor.request_log import RECORD, RequestRecord, request_middleware
 from processor.responses import SSE_DONE, Completion, model_card, sse
 from processor.stages import StageClients
 from shared.checkpoint import ModelSpec
 from shared.config import ProcessorConfig, split_list
 from shared.messages import GenerateChunk
+from shared.metrics import metrics_url
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +41,25 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 STAGES = web.AppKey("stages", StageClients)
 MODEL_NAME = web.AppKey("model_name", str)
 SLOTS = web.AppKey("slots", asyncio.Semaphore)
+METRICS = web.AppKey("metrics", ProcessorMetrics)
 SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM
 
 
 def init(cfg: ProcessorConfig) -> web.Application:
     """Build the app; stage clients and the media fetcher live as long as the app (cleanup_ctx)."""
     spec = ModelSpec.load(cfg.model)
-    app = web.Application(client_max_size=cfg.max_request_bytes, middlewares=[error_middleware])
+    observed = ProcessorMetrics()
+
+    def request_done(record: RequestRecord) -> None:
+        observed.observe(record)
+        if PIPELINE in app:
+            observed.request_done(lambda: _stats(app))
+
+    app = web.Application(
+        client_max_size=cfg.max_request_bytes,
+        middlewares=[error_middleware, request_middleware(request_done)],
+    )
+    app[METRICS] = observed
     if cfg.allowed_origins:
         setup_cors(app, split_list(cfg.allowed_origins))
     app[CONFIG] = cfg
@@ -90,11 +108,21 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when every replica found answers; with ``?ready=1``, when each tier has one that does
+    (can serve: what container health checks and readiness probes ask, so a replica that is still
+    starting or has died does not take the processor out too)."""
     encoders, llms = await request.app[STAGES].health()
     stages = [*(("encoder", h) for h in encoders), *(("llm", h) for h in llms)]
-    ok = all(h.pong is not None for _, h in stages)
+    up = [h.pong is not None for _, h in stages]
+    # NOTE: a tier whose name resolves to no replica yet is never healthy.
+    if request.query.get("ready"):
+        ok = any(h.pong for h in encoders) and any(h.pong for h in llms)
+    else:
+        ok = bool(encoders) and bool(llms) and all(up)
     body = {
         "status": "ok" if ok else "unavailable",
+        "metrics_url": str(request.url.with_path("/metrics").with_query(None)),
+        "worker": os.getpid(),  # which of the `--workers` processes answered
         "stages": [
             {
                 "stage": kind,
@@ -102,6 +130,7 @@ async def health(request: web.Request) -> web.Response:
                 "ok": h.pong is not None,
                 "error": h.error,
                 "load": h.pong.load if h.pong else None,
+                "metrics_url": metrics_url(h.address, h.pong.info.get("metrics_port")) if h.pong else None,
             }
             for kind, h in stages
         ],
@@ -109,40 +138,29 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if ok else 503)
 
 
+def _stats(app: web.Application) -> dict:
+    return {**app[PIPELINE].stats(), **app[DISPATCHER].stats()}
+
+
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text: the processor's own counters, then each stage replica's (from its Pong)."""
-    cache = request.app[PIPELINE].cache
-    lines = [
-        f"mmcache_processor_file_reads_total {request.app[PIPELINE].source.file_reads}",
-        f"mmcache_processor_cache_hits_total {cache.stats.hits}",
-        f"mmcache_processor_cache_misses_total {cache.stats.misses}",
-        f"mmcache_processor_decodes_total {cache.stats.decodes}",
-        f"mmcache_processor_cache_evictions_total {cache.stats.evictions}",
-        f"mmcache_processor_cache_bytes {cache.nbytes}",
-        f"mmcache_processor_cache_capacity_bytes {cache.capacity}",
-        f"mmcache_processor_cache_entries {len(cache)}",
-        f"mmcache_processor_repairs_total {request.app[DISPATCHER].num_repairs}",
-    ]
-    encoders, llms = await request.app[STAGES].health()
-    for stage, replicas in (("encoder", encoders), ("llm", llms)):
-        for h in replicas:
-            label = f'{{address="{h.address}"}}'
-            lines.append(f"mmcache_{stage}_up{label} {int(h.pong is not None)}")
-            if h.pong is None:
-                continue
-            lines.append(f"mmcache_{stage}_load{label} {h.pong.load}")
-            for name, value in sorted(h.pong.info.items()):
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    lines.append(f"mmcache_{stage}_{name}{label} {value}")
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+    """This processor's metrics (every worker's, in multiprocess mode); each stage replica serves
+    its own on its metrics port (see /health)."""
+    observed = request.app[METRICS]
+    observed.sync(_stats(request.app))
+    return web.Response(body=observed.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     slots = request.app[SLOTS]
     if slots.locked():
         raise APIError(503, "too many requests in progress, retry later", "overloaded")
+    running = request.app[METRICS].running
     async with slots:
-        return await _chat_completions(request)
+        running.inc()
+        try:
+            return await _chat_completions(request)
+        finally:
+            running.dec()
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -150,18 +168,22 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat_request(body, held)
     if req.model != request.app[MODEL_NAME]:
         raise _unknown_model(req.model, request.app[MODEL_NAME], "model")
+    record = request[RECORD]
+    record.stream = req.stream
+    record.set_salt(req.cache_salt)
     pipeline = request.app[PIPELINE]
     prepared = await pipeline.prepare(req)
+    completion = Completion(request.app[MODEL_NAME], req, prepared, pipeline.prompts.tokenizer, record.id)
     try:
-        return await _respond(request, prepared)
+        return await _respond(request, completion)
     finally:
         pipeline.done(prepared)
+        completion.fill(record)
 
 
-async def _respond(request: web.Request, prepared: Prepared) -> web.StreamResponse:
-    req = prepared.req
-    completion = Completion(request.app[MODEL_NAME], req, prepared, request.app[PIPELINE].prompts.tokenizer)
-    generation = choices(request.app[DISPATCHER], prepared)
+async def _respond(request: web.Request, completion: Completion) -> web.StreamResponse:
+    req = completion.req
+    generation = choices(request.app[DISPATCHER], completion.prepared)
     if req.stream:
         return await _stream(request, generation, completion)
     async with contextlib.aclosing(generation):
@@ -183,11 +205,13 @@ async def _stream(
     except BaseException:
         await generation.aclose()
         raise
+    record = request[RECORD]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     for choice in completion.choices:
         await sse(resp, completion.chunk(choice, {"role": "assistant", "content": ""}))
     try:
+        record = request[RECORD]
         item = first
         while item is not None:
             choice = completion.choices[item[0]]
@@ -196,6 +220,8 @@ async def _stream(
                 delta = choice.delta()
                 if delta or choice.pending_logprobs:
                     await sse(resp, completion.chunk(choice, delta))
+                    if record.first_token is None:
+                        record.first_token = time.perf_counter()
                 if choice.finish_reason is not None:
                     await sse(resp, completion.chunk(choice, {}, finish=True))
             if completion.done:
@@ -204,6 +230,7 @@ async def _stream(
         if completion.req.include_usage:
             await sse(resp, completion.usage_chunk())
     except APIError as exc:
+        request[RECORD].code = exc.code  # the status went out as 200 before the stage failed
         await sse(resp, error_body(exc.status, exc.message, exc.code))
     finally:
         await generation.aclose()
@@ -219,15 +246,27 @@ def _unknown_model(name: str, served: str, param: str | None) -> APIError:
 
 
 def run(cfg: ProcessorConfig) -> None:
-    from shared.service import setup_logging
+    if cfg.workers > 1:
+        from processor.workers import run_workers
+
+        raise SystemExit(run_workers(cfg))
+    serve(cfg)
+
+
+def serve(cfg: ProcessorConfig, reuse_port: bool = False) -> None:
+    """One processor process; with ``reuse_port`` it shares the port with its sibling workers."""
+    from shared.logs import setup_logging
+    from shared.metrics import setup_metrics
     from shared.torch_utils import set_threads
 
-    setup_logging("processor")
+    setup_logging("processor", cfg.log_format)
+    setup_metrics()
     set_threads(cfg.torch_threads)
     web.run_app(
         init(cfg),
         host=cfg.host,
         port=cfg.port,
+        reuse_port=reuse_port or None,
         handler_cancellation=True,
         print=None,
         access_log=None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -53,7 +54,10 @@ class Dispatcher:
     def __init__(self, stages: StageClients, timeout: float):
         self.stages = stages
         self.timeout = timeout
-        self.num_repairs = 0  # NeedEncode answered: chunks encoded again for a live request
+        self.repairs: Counter[str] = Counter()  # NeedEncode answered, by the LLM stage's cause
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {"repairs": {cause: self.repairs[cause] for cause in ("missing", "unreachable")}}
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
         # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
@@ -105,7 +109,7 @@ class Dispatcher:
         prefix covered them, encoder gone): encode them again from the pixels this request holds,
         and tell it to go on. The LLM stage bounds how often one request may ask."""
         log.info("repairing %d chunk(s) for a live request (%s)", len(need.keys), need.cause)
-        self.num_repairs += 1
+        self.repairs[need.cause] += 1
         placed = self._placed(prepared)  # NOTE: owners are chosen again: an encoder may have gone
         missing = set(need.keys)
         await self._guard(self._ensure_encoded(prepared, [p for p in placed if p.chunk.key in missing]))

@@ -36,6 +36,10 @@ class MediaSource:
         self.max_bytes = max_bytes
         self.http = http
         self.file_reads = 0
+        self.bytes_fetched = {"data": 0, "file": 0, "http": 0}
+
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        return {"file_reads": self.file_reads, "bytes_fetched": dict(self.bytes_fetched)}
 
     async def fetch(self, url: str | memoryview, where: str) -> bytes:
         """Bytes of a media URL (``url`` may be a data: URL's raw bytes, held out of the body)."""
@@ -50,7 +54,9 @@ class MediaSource:
         if scheme in ("http", "https"):
             if self.http is None:
                 raise bad_request(f"{where}: http(s) media URLs are disabled", "media_url_scheme", where)
-            return await self.http.fetch(url, where)
+            data = await self.http.fetch(url, where)
+            self.bytes_fetched["http"] += len(data)
+            return data
         raise bad_request(f"{where}: unsupported media URL scheme {scheme!r}", "media_url_scheme", where)
 
     def _data_url(self, url: str | memoryview, where: str) -> bytes:
@@ -69,16 +75,20 @@ class MediaSource:
                 f"{where}: media is larger than {self.max_bytes} bytes", "media_too_large", where
             )
         try:
-            return base64.b64decode(payload, validate=True)
+            data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise bad_request(
                 f"{where}: invalid base64 in data URL ({exc})", "invalid_base64", where
             ) from exc
+        self.bytes_fetched["data"] += len(data)
+        return data
 
     async def fetch_file(self, url: str, where: str) -> tuple[bytes, LocalFile]:
         """A ``file://`` URL's bytes, and the file they were read from (with its signature if the
         file did not change while it was read and had settled before)."""
-        return await asyncio.to_thread(self._file_url, url, where)
+        data, local = await asyncio.to_thread(self._file_url, url, where)
+        self.bytes_fetched["file"] += len(data)  # NOTE: counted on the event loop, not the thread
+        return data, local
 
     def file_signature(self, url: str) -> LocalFile | None:
         """The settled status of an allowed local file, without reading it; None if there is none

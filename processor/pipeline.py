@@ -201,5 +201,19 @@ class Pipeline:
             return self.pre.image(decode_image(data, self.limits, ref.param), salt)
         return self.pre.video(decode_video(data, self.limits, ref.param), salt)
 
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        """The processor cache's and the media source's numbers."""
+        cache = self.cache
+        return {
+            "cache_hits": cache.stats.hits,
+            "cache_misses": cache.stats.misses,
+            "cache_evictions": cache.stats.evictions,
+            "decodes": cache.stats.decodes,
+            "cache_bytes": cache.nbytes,
+            "cache_capacity_bytes": cache.capacity,
+            "cache_entries": len(cache),
+            **self.source.stats(),
+        }
+
     def close(self) -> None:
         self._media_pool.shutdown(wait=False, cancel_futures=True)

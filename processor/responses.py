@@ -12,6 +12,7 @@ from processor import logprobs as lp_shapes
 from processor.detokenizer import Detokenizer
 from processor.pipeline import Prepared
 from processor.request import ChatRequest
+from processor.request_log import RequestRecord
 from processor.tools import ToolCall, ToolStream, split_tool_calls
 from shared.messages import GenerateChunk
 
@@ -104,8 +105,8 @@ class Choice:
 class Completion:
     """Accumulates one completion's state and renders OpenAI response shapes."""
 
-    def __init__(self, model: str, req: ChatRequest, prepared: Prepared, tokenizer):
-        self.id = "chatcmpl-" + uuid.uuid4().hex
+    def __init__(self, model: str, req: ChatRequest, prepared: Prepared, tokenizer, completion_id: str = ""):
+        self.id = completion_id or "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self.req = req
@@ -118,6 +119,14 @@ class Completion:
     @property
     def done(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
+
+    def fill(self, record: RequestRecord) -> None:
+        """Copy this completion's numbers into its request-log record."""
+        usage = self.usage()
+        record.prompt_tokens = usage["prompt_tokens"]
+        record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        record.completion_tokens = usage["completion_tokens"]
+        record.mm_cache = usage["mm_cache"]
 
     def usage(self) -> dict:
         completion_tokens = sum(c.num_output_tokens for c in self.choices)

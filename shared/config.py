@@ -90,9 +90,27 @@ def split_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+MAX_WORKERS = 64
+
+
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{flag_name(name)} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+METRICS_PORT_HELP = (
+    "HTTP port of this replica's Prometheus /metrics (0: any free port, listed by the processor's "
+    "/health; -1: off)"
+)
+LOG_FORMAT_HELP = "log format: text, or json (one object per line)"
+LOG_FORMATS = ("text", "json")
+
+
+def _observability(metrics_port: int, log_format: str) -> None:
+    if not -1 <= metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be -1 (off), 0 (any) or a port, got {metrics_port}")
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +127,11 @@ class EncoderConfig:
     encoder_cache_gb: float = opt(2.0, "embedding cache size, GiB (0 disables)")
     handoff_ttl: float = opt(60.0, "seconds an encoded chunk stays pinned waiting for its LLM fetch")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+    metrics_port: int = opt(0, METRICS_PORT_HELP)
+    log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
+        _observability(self.metrics_port, self.log_format)
         _positive("max_batch_tokens", self.max_batch_tokens, allow_zero=True)
         _positive("max_queue", self.max_queue)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
@@ -146,8 +167,11 @@ class LLMConfig:
     no_prompt_logprob_store: bool = opt(
         False, "keep no prompt logprobs beside the KV blocks (prompt_logprobs are then always computed)"
     )
+    metrics_port: int = opt(0, METRICS_PORT_HELP)
+    log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
+        _observability(self.metrics_port, self.log_format)
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -191,14 +215,17 @@ class ProcessorConfig:
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
     max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
+    workers: int = opt(1, "processor processes on the one HTTP port (SO_REUSEPORT), each with its own caches")
     torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
     allowed_origins: str = opt(
         "", "origins whose web pages may call the API (CORS), comma separated; * for any"
     )
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
+    log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
+        _observability(0, self.log_format)
         for name in (
             "port",
             "media_fetch_timeout",
@@ -211,8 +238,11 @@ class ProcessorConfig:
             "max_request_bytes",
             "stage_timeout",
             "max_concurrent_requests",
+            "workers",
         ):
             _positive(name, getattr(self, name))
+        if self.workers > MAX_WORKERS:
+            raise ValueError(f"--workers must be at most {MAX_WORKERS}, got {self.workers}")
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)

@@ -30,6 +30,7 @@ class Pong:
     load: int = 0  # requests queued or running
     info: dict = field(default_factory=dict)  # counters, for people (metrics), never for routing
     block_size: int = 0  # an LLM replica's KV block size (routing hashes blocks of this size)
+    id: str = ""  # the replica's own stable id (shared.service.replica_id): routing keys on it
 
 
 @message

@@ -243,7 +243,15 @@ class RpcClient:
         await self._send(next(self._ids), msg)
 
     def close(self) -> None:
+        """Close the socket; calls and streams still waiting end with a 503 (the replica is gone
+        to this client), not at their timeout."""
         self._sock.close(linger=0)
+        gone = ErrorReply("stage_unavailable", f"{self._name} replica {self.address} is gone", 503)
+        for waiter in self._queues.values():
+            if isinstance(waiter, asyncio.Queue):
+                waiter.put_nowait((gone, {"final": True}))
+            elif not waiter.done():
+                waiter.set_result((gone, {"final": True}))
 
 
 class _Stream:

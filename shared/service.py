@@ -7,20 +7,27 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import zmq
 
+from shared.logs import setup_logging
+from shared.metrics import setup_metrics
 from shared.rpc import Handler, QuickHandler, RpcServer
 
 log = logging.getLogger(__name__)
 
-Closer = Callable[[], None]
+Closer = Callable[[], Awaitable[None] | None]
+
+_replica_id = ""
 
 
-def setup_logging(stage: str) -> None:
-    level = os.environ.get("MMCACHE_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s {stage} %(levelname)s %(name)s: %(message)s")
+def replica_id() -> str:
+    """This process's id, sent in every Pong: ``MMCACHE_REPLICA_ID``, else host name and bound
+    address (a container's or pod's host name is its own; the address tells apart replicas that
+    share a host). Empty before :func:`serve` binds."""
+    return _replica_id
 
 
 async def serve(
@@ -31,7 +38,8 @@ async def serve(
     """Bind ``bind``, answer requests with the handlers from ``make_handler`` until a signal arrives.
 
     ``make_handler`` returns the request handler, the quick handler (answers what needs no
-    waiting as it arrives, see :class:`RpcServer`) and a close function for its resources.
+    waiting as it arrives, see :class:`RpcServer`) and a close function (plain or async) for its
+    resources.
     """
     ctx = zmq.Context()
     loop = asyncio.get_running_loop()
@@ -40,7 +48,9 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     handler, quick, close = await make_handler(ctx)
     server = RpcServer(ctx, bind, handler, name, quick)
-    log.info("%s ready on %s (pid %d)", name, server.address, os.getpid())
+    global _replica_id
+    _replica_id = os.environ.get("MMCACHE_REPLICA_ID") or f"{socket.gethostname()}/{server.address}"
+    log.info("%s ready on %s (pid %d, replica %s)", name, server.address, os.getpid(), _replica_id)
     serving = loop.create_task(server.serve_forever())
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -50,14 +60,17 @@ async def serve(
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
     server.close()
-    close()
+    closed = close()
+    if closed is not None:
+        await closed
     ctx.destroy(linger=0)
 
 
-def run_stage(name: str, bind: str, torch_threads: int, make_handler) -> None:
+def run_stage(name: str, bind: str, torch_threads: int, make_handler, log_format: str = "text") -> None:
     """The body of ``mmcache encoder|llm``: logging, CPU threads, then :func:`serve` until a signal."""
     from shared.torch_utils import set_threads
 
-    setup_logging(name)
+    setup_logging(name, log_format)
+    setup_metrics()
     set_threads(torch_threads)
     asyncio.run(serve(name, bind, make_handler))

@@ -4,7 +4,6 @@ structured outputs, tool calls, ``n``, logit_bias, conformance with OpenAI's pub
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 from typing import Literal
 
@@ -15,6 +14,7 @@ from openai import OpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.e2e.server import Server
+from tests.e2e.util import metrics
 from tests.openai_schema import validate
 
 pytestmark = pytest.mark.e2e
@@ -106,9 +106,8 @@ def raw_stream(server: Server, body: dict) -> list[dict]:
 
 
 def metric(server: Server, name: str) -> float:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(float(m) for m in re.findall(rf"^mmcache_llm_{name}\{{[^}}]*\}} (\S+)$", text, re.M))
+    """An LLM-stage counter, summed over its replicas (each serves its own /metrics)."""
+    return metrics(server)[f"mmcache_llm_{name}_total"]
 
 
 # --- conformance ------------------------------------------------------------------------------
@@ -191,13 +190,15 @@ def test_cors_answers_the_allowed_origin_only(server) -> None:
 
 def test_n_two_gives_two_choices_from_one_prefill(server) -> None:
     long_question = [{"role": "user", "content": "Describe the harbor, the bakery and the mill. " * 6}]
-    queries, hits = metric(server, "prefix_queries"), metric(server, "prefix_hits")
+    queries, hits = metric(server, "prefix_cache_queries"), metric(server, "prefix_cache_hits")
     out = raw(server, {"messages": long_question, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3})
     validate(out, "CreateChatCompletionResponse")
     assert [c["index"] for c in out["choices"]] == [0, 1]
     first = out["usage"]["prompt_tokens"] - out["usage"]["prompt_tokens_details"]["cached_tokens"]
-    computed = (metric(server, "prefix_queries") - queries) - (metric(server, "prefix_hits") - hits)
-    assert metric(server, "prefix_queries") - queries == 2 * out["usage"]["prompt_tokens"]
+    computed = (metric(server, "prefix_cache_queries") - queries) - (
+        metric(server, "prefix_cache_hits") - hits
+    )
+    assert metric(server, "prefix_cache_queries") - queries == 2 * out["usage"]["prompt_tokens"]
     # One prefill: the second choice recomputes at most the prompt's last, partial block (16 tokens).
     assert first < computed <= first + 16
     assert out["usage"]["completion_tokens"] == 12

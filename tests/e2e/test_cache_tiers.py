@@ -45,8 +45,8 @@ def test_repeated_image_is_not_decoded_or_encoded_again(cached, baseline):
     )
     second = ok(cached, body)
     after = metrics(cached)
-    assert after["mmcache_processor_decodes_total"] == before["mmcache_processor_decodes_total"]
-    assert after["mmcache_encoder_forwards"] == before["mmcache_encoder_forwards"]
+    assert after["mmcache_processor_media_decodes_total"] == before["mmcache_processor_media_decodes_total"]
+    assert after["mmcache_encoder_forwards_total"] == before["mmcache_encoder_forwards_total"]
     assert second["usage"]["mm_cache"] == {
         "processor_hits": 1,
         "processor_misses": 0,
@@ -66,7 +66,9 @@ def test_repeated_request_hits_the_prefix_cache_and_skips_the_encoder(cached, ba
     prompt = second["usage"]["prompt_tokens"]
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt - 1) // BLOCK * BLOCK
     assert second["usage"]["mm_cache"]["prefix_skipped"] == 1
-    assert after["mmcache_encoder_fetches"] == before["mmcache_encoder_fetches"]  # no rows pulled at all
+    assert (
+        after["mmcache_encoder_fetches_total"] == before["mmcache_encoder_fetches_total"]
+    )  # no rows pulled at all
     assert tokens(first) == tokens(second) == tokens(ok(baseline, body))
 
 
@@ -80,7 +82,7 @@ def test_two_salts_never_share_an_entry(cached):
     assert b["usage"]["mm_cache"]["processor_misses"] == 1
     assert b["usage"]["mm_cache"]["encoder_misses"] == 1
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert after["mmcache_encoder_forwards"] == before["mmcache_encoder_forwards"] + 1
+    assert after["mmcache_encoder_forwards_total"] == before["mmcache_encoder_forwards_total"] + 1
     again = ok(cached, chat(name(cached), content, cache_salt="tenant-a"))
     assert again["usage"]["mm_cache"]["processor_hits"] == 1
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -113,8 +115,10 @@ def test_concurrent_requests_for_one_new_image_run_one_forward(cached, baseline)
     before = metrics(cached)
     outs = post_many(cached, [body] * 8)
     after = metrics(cached)
-    assert after["mmcache_encoder_forwards"] - before["mmcache_encoder_forwards"] == 1
-    assert after["mmcache_processor_decodes_total"] - before["mmcache_processor_decodes_total"] == 1
+    assert after["mmcache_encoder_forwards_total"] - before["mmcache_encoder_forwards_total"] == 1
+    assert (
+        after["mmcache_processor_media_decodes_total"] - before["mmcache_processor_media_decodes_total"] == 1
+    )
     expected = tokens(ok(baseline, body))
     assert all(tokens(o) == expected for o in outs)
 
@@ -130,7 +134,7 @@ def test_growing_video_encodes_only_new_chunks_and_partially_hits(cached, baseli
     long_out = ok(cached, body)
     after = metrics(cached)
     usage = long_out["usage"]
-    assert after["mmcache_encoder_chunks_encoded"] - before["mmcache_encoder_chunks_encoded"] == 4
+    assert after["mmcache_encoder_chunks_encoded_total"] - before["mmcache_encoder_chunks_encoded_total"] == 4
     # The prefix cache ends inside the video, exactly where the first new chunk starts: the full
     # blocks before it, then the shared start of the block that holds that boundary (copied).
     video_start = _first_video_token(long_out["prompt_token_ids"])
@@ -139,7 +143,9 @@ def test_growing_video_encodes_only_new_chunks_and_partially_hits(cached, baseli
     cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
     assert shared_end % BLOCK  # the boundary is inside a block ...
     assert cached_tokens == shared_end  # ... and the prefix still reaches it
-    rows = after["mmcache_llm_embedding_rows_fetched"] - before["mmcache_llm_embedding_rows_fetched"]
+    rows = (
+        after["mmcache_llm_embedding_rows_fetched_total"] - before["mmcache_llm_embedding_rows_fetched_total"]
+    )
     assert rows == 4 * per_chunk  # only the new chunks' rows
     assert tokens(long_out) == tokens(ok(baseline, body))
 
@@ -177,6 +183,6 @@ def test_the_same_image_twice_in_one_request(cached, baseline):
     out = ok(cached, body)
     after = metrics(cached)
     assert out["usage"]["mm_cache"]["encoder_misses"] == 1
-    assert after["mmcache_encoder_forwards"] - before["mmcache_encoder_forwards"] == 1
-    assert after["mmcache_encoder_fetches"] - before["mmcache_encoder_fetches"] == 1
+    assert after["mmcache_encoder_forwards_total"] - before["mmcache_encoder_forwards_total"] == 1
+    assert after["mmcache_encoder_fetches_total"] - before["mmcache_encoder_fetches_total"] == 1
     assert tokens(out) == tokens(ok(baseline, body))

@@ -67,16 +67,16 @@ def test_no_request_fails_under_memory_pressure(servers, seed: int):
     expected = [send(baseline, b) for b in warm + burst]
     after = metrics(pressured)
     moved = {
-        name: int(after[f"mmcache_{name}"] - before.get(f"mmcache_{name}", 0))
-        for name in ("llm_preemptions", "llm_evictions", "llm_repairs", "llm_prefix_hits")
+        name: int(after[f"mmcache_{name}_total"] - before.get(f"mmcache_{name}_total", 0))
+        for name in ("llm_preemptions", "llm_kv_evictions", "llm_repairs", "llm_prefix_cache_hits")
     }
     failed = [(i, out) for i, (status, out) in enumerate(got) if status != 200]
     print(f"seed {seed}: sent {len(got)}, failed {len(failed)}, {moved}")
     assert failed == []
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected, strict=True)) if g != e]
     assert mismatches == [], f"{len(mismatches)} of {len(got)} answers changed: {mismatches}"
-    assert moved["llm_preemptions"] >= 1 and moved["llm_evictions"] >= 1
-    assert moved["llm_prefix_hits"] > 0
+    assert moved["llm_preemptions"] >= 1 and moved["llm_kv_evictions"] >= 1
+    assert moved["llm_prefix_cache_hits"] > 0
     REPAIRS[seed] = moved["llm_repairs"]
 
 

@@ -127,7 +127,7 @@ def test_store_is_in_metrics_within_the_kv_budget(cached) -> None:
     m = metrics(cached)
     assert m["mmcache_llm_prompt_logprob_store_bytes"] > 0
     assert m["mmcache_llm_prompt_logprob_blocks"] > 0
-    used = m["mmcache_llm_kv_cache_bytes"] + m["mmcache_llm_prompt_logprob_store_bytes"]
+    used = m["mmcache_llm_kv_cache_capacity_bytes"] + m["mmcache_llm_prompt_logprob_store_bytes"]
     assert used <= m["mmcache_llm_kv_budget_bytes"]
 
 

@@ -38,9 +38,9 @@ def server(model):
 def counters(server: Server) -> dict[str, float]:
     m = metrics(server)
     return {
-        "rows": m["mmcache_llm_embedding_rows_fetched"],
-        "feature_rows": m["mmcache_llm_embedding_feature_rows_fetched"],
-        "encoded": m["mmcache_encoder_chunks_encoded"],
+        "rows": m["mmcache_llm_embedding_rows_fetched_total"],
+        "feature_rows": m["mmcache_llm_embedding_feature_rows_fetched_total"],
+        "encoded": m["mmcache_encoder_chunks_encoded_total"],
     }
 
 

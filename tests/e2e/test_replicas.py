@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from mmcache.scrape import Samples, endpoints, scrape_endpoints
 from shared.routing import rendezvous
 from tests.e2e.server import free_port, stage_env, wait_healthy
 from tests.e2e.util import chat, image_part, tokens
@@ -64,11 +65,9 @@ class Stack:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return json.loads(resp.read())
 
-    def metrics(self) -> dict[str, float]:
-        """{metric{address=...}: value}, per replica."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
-            lines = resp.read().decode().splitlines()
-        return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if line)}
+    def metrics(self) -> dict[str, Samples]:
+        """Each stage replica's own /metrics (found through the processor's /health), by address."""
+        return {ep.address: samples for ep, samples in scrape_endpoints(endpoints(self.url))}
 
     def stop(self) -> None:
         for p in self.procs:
@@ -90,8 +89,8 @@ def stack(tiny_model):
     assert all(p.poll() is not None for p in s.procs)
 
 
-def per_replica(metrics: dict[str, float], name: str, addresses: list[str]) -> list[float]:
-    return [metrics[f'mmcache_{name}{{address="{a}"}}'] for a in addresses]
+def per_replica(metrics: dict[str, Samples], name: str, addresses: list[str]) -> list[float]:
+    return [metrics[a][f"mmcache_{name}"] for a in addresses]
 
 
 def test_chunks_shard_across_encoders_and_prefixes_route_back(stack):
@@ -102,9 +101,9 @@ def test_chunks_shard_across_encoders_and_prefixes_route_back(stack):
         body = chat(model, [image_part(img), {"type": "text", "text": f"Image {seed}?"}], system=f"S{seed}")
         bodies.append((body, tokens(stack.post(body))))
     m = stack.metrics()
-    encoded = per_replica(m, "encoder_chunks_encoded", stack.encoders)
+    encoded = per_replica(m, "encoder_chunks_encoded_total", stack.encoders)
     assert sum(encoded) == 8 and all(n > 0 for n in encoded), encoded  # both shards used
-    fetched = per_replica(m, "encoder_fetches", stack.encoders)
+    fetched = per_replica(m, "encoder_fetches_total", stack.encoders)
     assert fetched == encoded  # every LLM replica pulled each chunk from the encoder that made it
     # Repeats: each goes back to the replica holding its prefix, so every one is a prefix hit.
     for body, first in bodies:
@@ -113,8 +112,8 @@ def test_chunks_shard_across_encoders_and_prefixes_route_back(stack):
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         assert again["usage"]["mm_cache"]["prefix_skipped"] == 1
     after = stack.metrics()
-    assert per_replica(after, "encoder_chunks_encoded", stack.encoders) == encoded  # nothing re-encoded
-    queries = per_replica(after, "llm_prefix_queries", stack.llms)
+    assert per_replica(after, "encoder_chunks_encoded_total", stack.encoders) == encoded  # nothing re-encoded
+    queries = per_replica(after, "llm_prefix_cache_queries_total", stack.llms)
     assert all(q > 0 for q in queries), queries  # both LLM replicas served requests
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.e2e.server import Server
@@ -10,17 +9,8 @@ from tests.media import data_url
 
 
 def metrics(server: Server) -> dict[str, float]:
-    """Prometheus text from /metrics → {metric name: value summed over replicas}."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, value = line.rsplit(" ", 1)
-        name = name.split("{", 1)[0]
-        out[name] = out.get(name, 0.0) + float(value)
-    return out
+    """Every stage's /metrics → {sample name: value summed over labels and replicas}."""
+    return server.metrics().by_name()
 
 
 def image_part(data: bytes, mime: str = "image/png", uuid: str | None = None) -> dict:

@@ -205,6 +205,8 @@ def _non_default(cls: type) -> object:
             values[f.name] = "cpu"
         elif f.name in ("dtype",):
             values[f.name] = "bfloat16"
+        elif f.name == "log_format":
+            values[f.name] = "json"
         else:
             values[f.name] = f"/some/{f.name} with spaces"
     return cls(**values)

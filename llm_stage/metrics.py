@@ -1,0 +1,170 @@
+"""The LLM stage's Prometheus metrics (``mmcache_llm_*``): engine counters read from the
+service's ``stats()`` at scrape time, and per-request latencies observed as they happen.
+
+Latencies follow vLLM's engine-side definitions, measured from the moment this replica
+received the request: queue time (submitted to the engine → first scheduled step), prefill
+time (first scheduled step → first token), time to first token, inter-token latency (one
+observation per token after the first) and end-to-end latency (→ last token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from llm_stage.scheduler import StepOutput
+from llm_stage.sequence import SeqStatus, Sequence
+from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Stats, StatsCollector
+
+FAMILIES = [
+    Family(
+        "mmcache_llm_prefix_cache_queries",
+        "counter",
+        "prompt tokens looked up in the prefix cache",
+        "prefix_queries",
+    ),
+    Family(
+        "mmcache_llm_prefix_cache_hits", "counter", "prompt tokens served by the prefix cache", "prefix_hits"
+    ),
+    Family("mmcache_llm_kv_evictions", "counter", "cached KV blocks evicted for reuse", "evictions"),
+    Family("mmcache_llm_preemptions", "counter", "sequences preempted for lack of KV blocks", "preemptions"),
+    Family("mmcache_llm_engine_steps", "counter", "engine steps run", "steps"),
+    Family("mmcache_llm_kv_blocks_used", "gauge", "KV blocks in use (held by sequences)", "used_blocks"),
+    Family("mmcache_llm_kv_blocks_free", "gauge", "KV blocks free (cached or empty)", "free_blocks"),
+    Family("mmcache_llm_kv_cache_usage_ratio", "gauge", "fraction of KV blocks in use", "kv_usage"),
+    Family("mmcache_llm_kv_cache_bytes", "gauge", "bytes of KV blocks in use", "kv_bytes"),
+    Family("mmcache_llm_kv_cache_capacity_bytes", "gauge", "bytes of the KV block pool", "kv_capacity_bytes"),
+    Family(
+        "mmcache_llm_kv_budget_bytes",
+        "gauge",
+        "--kv-cache-gb in bytes: the KV pool and the prompt logprob store beside it",
+        "kv_budget_bytes",
+    ),
+    Family(
+        "mmcache_llm_prompt_logprob_store_bytes",
+        "gauge",
+        "bytes of the prompt logprob store beside the KV blocks",
+        "prompt_logprob_store_bytes",
+    ),
+    Family(
+        "mmcache_llm_prompt_logprob_blocks",
+        "gauge",
+        "KV blocks that carry prompt logprobs",
+        "prompt_logprob_blocks",
+    ),
+    Family("mmcache_llm_requests_running", "gauge", "sequences being computed", "running"),
+    Family("mmcache_llm_requests_waiting", "gauge", "sequences waiting for blocks or media rows", "waiting"),
+    Family(
+        "mmcache_llm_embedding_fetches", "counter", "embedding row reads from encoders", "embedding_fetches"
+    ),
+    Family(
+        "mmcache_llm_embedding_rows_fetched",
+        "counter",
+        "embedding rows pulled from encoders",
+        "embedding_rows_fetched",
+    ),
+    Family(
+        "mmcache_llm_embedding_feature_rows_fetched",
+        "counter",
+        "embedding rows pulled, counted once per feature set (deepstack families have several)",
+        "embedding_feature_rows_fetched",
+    ),
+    Family(
+        "mmcache_llm_chunks_skipped",
+        "counter",
+        "media chunks the cached prefix covered (not fetched)",
+        "chunks_skipped",
+    ),
+]
+
+
+@dataclass(slots=True)
+class _Timing:
+    seq: Sequence
+    arrived: float
+    submitted: float
+    scheduled: float | None = None
+    last_token: float | None = None
+
+
+class LLMMetrics:
+    def __init__(self, stats: Callable[[], Stats]):
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(stats, FAMILIES))
+        r = self.registry
+
+        def seconds(name: str, text: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, text, buckets=buckets, registry=r)
+
+        self.ttft = seconds("mmcache_llm_time_to_first_token_seconds", "request received → first token")
+        self.itl = seconds(
+            "mmcache_llm_inter_token_latency_seconds", "gap between two tokens of a request", TOKEN_BUCKETS
+        )
+        self.e2e = seconds("mmcache_llm_e2e_request_latency_seconds", "request received → last token")
+        self.queue = seconds(
+            "mmcache_llm_request_queue_time_seconds", "submitted to the engine → first scheduled"
+        )
+        self.prefill = seconds("mmcache_llm_request_prefill_time_seconds", "first scheduled → first token")
+        self.fetch = seconds(
+            "mmcache_llm_embedding_fetch_seconds",
+            "pulling one request's embedding rows (requests that pulled any)",
+        )
+        self.prompt_tokens = Counter(
+            "mmcache_llm_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter("mmcache_llm_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter(
+            "mmcache_llm_requests", "requests ended, by finish reason", ["finish_reason"], registry=r
+        )
+        # NOTE: a repair has the processor encode rows again for a live request; causes: missing
+        # (evicted, or never encoded because a cached prefix covered them) and unreachable (an
+        # encoder did not answer).
+        self.repairs = Counter(
+            "mmcache_llm_repairs", "mid-request repairs of media rows, by cause", ["cause"], registry=r
+        )
+        for cause in ("missing", "unreachable"):
+            self.repairs.labels(cause)  # every cause is a series from the start
+        self._timings: dict[int, _Timing] = {}
+        self._unscheduled: dict[int, _Timing] = {}
+
+    def fetched(self, seconds: float) -> None:
+        self.fetch.observe(seconds)
+
+    def track(self, seq: Sequence, arrived: float) -> None:
+        """``seq`` is about to be submitted to the engine; it arrived (perf_counter) at ``arrived``."""
+        timing = _Timing(seq, arrived, time.perf_counter())
+        self._timings[seq.seq_id] = timing
+        self._unscheduled[seq.seq_id] = timing
+
+    def forget(self, seq_id: int) -> None:
+        self._timings.pop(seq_id, None)
+        self._unscheduled.pop(seq_id, None)
+
+    def step(self, started: float, ended: float, outputs: list[StepOutput]) -> None:
+        """An engine step ran from ``started`` to ``ended`` and produced ``outputs``."""
+        for seq_id, t in list(self._unscheduled.items()):
+            if t.seq.status is not SeqStatus.WAITING:  # admitted this step (or ended)
+                t.scheduled = started
+                self.queue.observe(started - t.submitted)
+                del self._unscheduled[seq_id]
+        for out in outputs:
+            t = self._timings.get(out.seq_id)
+            if t is None:
+                continue
+            if out.token_id is not None:
+                self.generation_tokens.inc()
+                if t.last_token is None:
+                    self.ttft.observe(ended - t.arrived)
+                    self.prefill.observe(ended - (t.scheduled if t.scheduled is not None else started))
+                else:
+                    self.itl.observe(ended - t.last_token)
+                t.last_token = ended
+            if out.finish_reason is not None:
+                self.requests.labels(out.finish_reason).inc()
+                if out.finish_reason in ("stop", "length"):
+                    self.e2e.observe(ended - t.arrived)
+                    self.prompt_tokens.inc(out.num_prompt_tokens)
+                self.forget(out.seq_id)

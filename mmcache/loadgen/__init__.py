@@ -1,0 +1,1 @@
+"""``mmcache bench URL``: load any OpenAI-compatible deployment with a chosen workload."""
