@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from llm_stage.prompt_logprobs import PromptLogprobStore
 from llm_stage.sequence import Sequence
 from shared.block_hash import BlockHash
 from shared.media_spans import chunk_places
@@ -72,8 +73,15 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        logprobs: PromptLogprobStore | None = None,
+    ):
         self.block_size = block_size
+        self.logprobs = logprobs  # prompt logprobs kept per slot, freed and evicted with the block
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # NOTE: insertion order is eviction order (front = least recently freed).
@@ -97,10 +105,12 @@ class BlockManager:
         token_ids: list[int],
         spans: Seq[MediaSpan] = (),
         limit: int | None = None,
+        with_logprobs: bool = False,
     ) -> PrefixMatch:
         """The longest cached prefix of a prompt within its first ``limit`` tokens: full blocks by
         ``hashes`` (confirmed against stored tokens), then the longest start of a cached block that
-        follows them (same tokens, same media chunks at the same places)."""
+        follows them (same tokens, same media chunks at the same places). ``with_logprobs``: only
+        blocks that carry prompt logprobs."""
         if not self.enable_caching:
             return PrefixMatch([])
         size = self.block_size
@@ -112,6 +122,8 @@ class BlockManager:
                 token_ids[i * size : (i + 1) * size]
             ):
                 break
+            if with_logprobs and not self._carries(block_id):
+                break
             out.append(block_id)
         # NOTE: only a hit extends to a block's shared start. Without one the prefill would start at
         # token 0, with the cheaper causal attention; a few shared template tokens don't pay for
@@ -121,11 +133,19 @@ class BlockManager:
         parent = hashes[len(out) - 1]
         start = len(out) * size
         want = token_ids[start : min(start + size, limit)]
-        return PrefixMatch(out, self._longest_start(parent, want, block_media(spans, start, size)))
+        media = block_media(spans, start, size)
+        return PrefixMatch(out, self._longest_start(parent, want, media, with_logprobs))
 
-    def _longest_start(self, parent: BlockHash, want: list[int], media: BlockMedia) -> tuple[int, int] | None:
+    def _carries(self, block_id: int) -> bool:
+        return self.logprobs is not None and self.logprobs.has[block_id]
+
+    def _longest_start(
+        self, parent: BlockHash, want: list[int], media: BlockMedia, with_logprobs: bool = False
+    ) -> tuple[int, int] | None:
         best = None
         for block_id in itertools.islice(reversed(self.children[parent]), MAX_PARTIAL_CANDIDATES):
+            if with_logprobs and not self._carries(block_id):
+                continue
             block = self.blocks[block_id]
             n = 0
             for a, b in zip(want, block.token_ids, strict=False):
@@ -202,6 +222,8 @@ class BlockManager:
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
+        if self.logprobs is not None:
+            self.logprobs.forget(block_id)
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
@@ -227,8 +249,12 @@ class BlockManager:
                 continue
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            # NOTE: if an identical block was computed concurrently, the first stays canonical.
-            if self.cached.setdefault(hashes[i], block.block_id) == block.block_id and i:
+            # NOTE: if an identical block was computed concurrently, the first stays canonical,
+            # unless only the new one carries prompt logprobs (then it serves every request).
+            canonical = self.cached.setdefault(hashes[i], block.block_id)
+            if canonical != block.block_id and self._carries(block.block_id) and not self._carries(canonical):
+                self.cached[hashes[i]] = canonical = block.block_id
+            if canonical == block.block_id and i:
                 block.parent = hashes[i - 1]
                 block.media = block_media(seq.spans, i * self.block_size, self.block_size)
                 self.children.setdefault(block.parent, {})[block.block_id] = None

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from llm_stage.block_manager import BlockManager
 from llm_stage.kv_cache import KVCache, kv_budget_bytes
 from llm_stage.model_runner import ModelRunner
-from llm_stage.sampler import sample
+from llm_stage.prompt_logprobs import PromptLogprobStore
+from llm_stage.sampler import sample_with_logprobs
 from llm_stage.scheduler import RowsWanted, Scheduler, StepOutput
 from llm_stage.sequence import MediaRows, SeqStatus, Sequence
 from llm_stage.text_model import TextLM
@@ -77,14 +78,20 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.lm = TextLM(spec, self.device, self.dtype)
         per_block = KVCache.bytes_per_block(self.lm, cfg.block_size, self.dtype)
-        num_blocks = cfg.num_kv_blocks or kv_budget_bytes(cfg.kv_cache_gb, self.device) // per_block
+        # NOTE: the prompt logprob store sits beside the KV blocks (one row of slots per block) and
+        # is paid from the same budget; without the prefix cache nothing is reused, so no store.
+        with_store = cfg.prefix_cache and not cfg.no_prompt_logprob_store
+        store_per_block = PromptLogprobStore.bytes_per_block(cfg.block_size) if with_store else 0
+        self.budget_bytes = kv_budget_bytes(cfg.kv_cache_gb, self.device)
+        num_blocks = cfg.num_kv_blocks or self.budget_bytes // (per_block + store_per_block)
         wanted_len = cfg.max_model_len or spec.max_position_embeddings
         self.max_model_len = min(wanted_len, num_blocks * cfg.block_size)
         if self.max_model_len < wanted_len:
             log.warning("KV pool holds %d blocks: max_model_len capped to %d", num_blocks, self.max_model_len)
         self.kv = KVCache(self.lm, num_blocks, cfg.block_size, self.device, self.dtype)
+        store = PromptLogprobStore(num_blocks, cfg.block_size, self.device) if with_store else None
         self.runner = ModelRunner(self.lm, self.kv)
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, store)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.lock = threading.Lock()
         self._inbox: deque[Command] = deque()
@@ -142,6 +149,15 @@ class Engine:
         for probe_id in [p for p, (_, expiry) in self._probes.items() if expiry <= now]:
             self.blocks.release(self._probes.pop(probe_id)[0])
 
+    def memory_info(self) -> dict[str, int]:
+        """Bytes of the prompt logprob store beside the KV pool, and the budget they share."""
+        store = self.blocks.logprobs
+        return {
+            "kv_budget_bytes": self.budget_bytes,
+            "prompt_logprob_store_bytes": store.nbytes if store is not None else 0,
+            "prompt_logprob_blocks": store.num_carrying if store is not None else 0,
+        }
+
     def submit(self, seq: Sequence) -> None:
         self._inbox.append(Submit(seq))
 
@@ -180,8 +196,8 @@ class Engine:
         if not plan.items:
             return result
         try:
-            logits = self.runner.run(plan.items)
-            tokens = sample(logits, plan.sampled)
+            logits, scored = self.runner.forward(plan.items)
+            tokens, logprobs = sample_with_logprobs(logits, plan.sampled)
         except Exception as exc:
             log.exception("engine step failed; failing its %d sequences", len(plan.items))
             with self.lock:
@@ -191,7 +207,7 @@ class Engine:
             return result
         self.num_steps += 1
         with self.lock:
-            outputs += self.scheduler.postprocess(plan, tokens)
+            outputs += self.scheduler.postprocess(plan, tokens, logprobs, scored)
         return dataclasses.replace(result, computed=True)
 
     def _drain(self) -> list[Command]:

@@ -37,6 +37,24 @@ FAMILIES = [
     Family("mmcache_llm_kv_cache_usage_ratio", "gauge", "fraction of KV blocks in use", "kv_usage"),
     Family("mmcache_llm_kv_cache_bytes", "gauge", "bytes of KV blocks in use", "kv_bytes"),
     Family("mmcache_llm_kv_cache_capacity_bytes", "gauge", "bytes of the KV block pool", "kv_capacity_bytes"),
+    Family(
+        "mmcache_llm_kv_budget_bytes",
+        "gauge",
+        "--kv-cache-gb in bytes: the KV pool and the prompt logprob store beside it",
+        "kv_budget_bytes",
+    ),
+    Family(
+        "mmcache_llm_prompt_logprob_store_bytes",
+        "gauge",
+        "bytes of the prompt logprob store beside the KV blocks",
+        "prompt_logprob_store_bytes",
+    ),
+    Family(
+        "mmcache_llm_prompt_logprob_blocks",
+        "gauge",
+        "KV blocks that carry prompt logprobs",
+        "prompt_logprob_blocks",
+    ),
     Family("mmcache_llm_requests_running", "gauge", "sequences being computed", "running"),
     Family("mmcache_llm_requests_waiting", "gauge", "sequences waiting for blocks or media rows", "waiting"),
     Family(

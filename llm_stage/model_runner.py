@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from llm_stage.attention import AttentionBackend, SdpaBackend
 from llm_stage.block_manager import BlockCopy
 from llm_stage.kv_cache import KVCache
+from llm_stage.prompt_logprobs import Scored, score
 from llm_stage.scheduler import StepItem
 from llm_stage.text_model import LayerWeights, TextLM, qk_norm_
 from llm_stage.visual_rows import VisualRows
@@ -51,9 +52,17 @@ class ModelRunner:
         src, dst = copy.source * self.kv.block_size, copy.target * self.kv.block_size
         self.kv.kv[:, dst : dst + copy.tokens] = self.kv.kv[:, src : src + copy.tokens]
 
-    @torch.inference_mode()
     def run(self, items: list[StepItem]) -> torch.Tensor:
         """Compute each item's tokens; returns logits (float32) of every item that samples, in order."""
+        return self.forward(items)[0]
+
+    @torch.inference_mode()
+    def forward(self, items: list[StepItem]) -> tuple[torch.Tensor, list[Scored]]:
+        """:meth:`run`, and the prompt logprobs of the items whose sequence asks for them.
+
+        NOTE: only those rows go through the LM head besides the sampling ones: a step where nobody
+        asks computes exactly what it did without prompt logprobs.
+        """
         ids: list[int] = []
         rows: list[int] = []  # first row of each item
         last_rows = []
@@ -76,11 +85,26 @@ class ModelRunner:
             hidden = self._layer(idx, weights, hidden, rope, plan)
             if visual is not None:
                 visual.add_deepstack(hidden, idx)
+        scored = self._score(items, rows, hidden)
         if not last_rows:
-            return hidden.new_empty((0, self.lm.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.lm.vocab_size), dtype=torch.float32), scored
         if len(last_rows) < hidden.shape[0]:
             hidden = hidden[last_rows]
-        return self.lm.logits(hidden)
+        return self.lm.logits(hidden), scored
+
+    def _score(self, items: list[StepItem], rows: list[int], hidden: torch.Tensor) -> list[Scored]:
+        """Row ``r`` of a prompt gives the entry of token ``r + 1`` (the last prompt row samples)."""
+        out = []
+        for first, item in zip(rows, items, strict=True):
+            seq = item.seq
+            end = min(item.end, seq.num_prompt_tokens - 1)
+            if not seq.wants_prompt_logprobs or item.start >= end:
+                continue
+            n = end - item.start
+            targets = torch.tensor(seq.token_ids[item.start + 1 : end + 1], device=hidden.device)
+            ids, values = score(self.lm, hidden[first : first + n], targets)
+            out.append(Scored(seq, item.start + 1, ids, values))
+        return out
 
     def _rope(self, hidden: torch.Tensor, items: list[StepItem]) -> _Rope:
         """cos and folded sin (:func:`fold_sin`) of every row, shaped (rows, 1, head_dim)."""

@@ -3,6 +3,11 @@
 Rows whose request processes logits (penalties, bias, min_tokens, a grammar) are processed first,
 in place; a step without any such row runs exactly as before. ``logits`` is then the final
 distribution's input for every row.
+
+Output logprobs (only rows whose request asks) are those of the distribution the token is drawn
+from: after the logits processors, temperature, top-k and top-p (vLLM's "processed" logprobs);
+tokens that top-k / top-p exclude get :data:`llm_stage.logprobs.FLOOR`. A greedy row's distribution
+is the processed logits' softmax at temperature 1 (its argmax is the token).
 """
 
 from __future__ import annotations
@@ -10,26 +15,53 @@ from __future__ import annotations
 import torch
 
 from llm_stage import logits_processors
+from llm_stage.logprobs import token_logprobs
 from llm_stage.sequence import Sequence
+from shared.messages import TokenLogprobs
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """One token per row of ``logits`` (float32, (len(seqs), vocab))."""
+    return sample_with_logprobs(logits, seqs)[0]
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row, and its logprobs where the row's request asks (else None)."""
     if any(s.matcher is not None or s.sampling.processes_logits for s in seqs):
         with torch.inference_mode():  # the model's logits are inference tensors, updated in place
             logits_processors.process(logits, seqs)
     out = logits.argmax(dim=-1).tolist()
+    asking = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    drawn: dict[int, torch.Tensor] = {}  # row → logprobs of its (non-greedy) final distribution
     for i, seq in enumerate(seqs):
         sp = seq.sampling
         if not sp.greedy:
-            out[i] = _sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, seq)
+            out[i], probs = _sample_row(logits[i], sp.temperature, sp.top_k, sp.top_p, seq)
+            if sp.logprobs is not None:
+                drawn[i] = (probs / probs.sum()).log()
     for seq, token in zip(seqs, out, strict=True):
         if seq.matcher is not None:
             seq.matcher.consume_token(token)
-    return out
+    logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+    if asking:
+        with torch.inference_mode():
+            dist = torch.log_softmax(logits[asking], dim=-1)
+            for r, i in enumerate(asking):
+                if i in drawn:
+                    dist[r] = drawn[i]
+            chosen = torch.tensor([out[i] for i in asking])
+            ks = [seqs[i].sampling.logprobs or 0 for i in asking]
+            for i, lp in zip(asking, token_logprobs(dist, chosen, ks), strict=True):
+                logprobs[i] = lp
+    return out, logprobs
 
 
-def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float, seq: Sequence) -> int:
+def _sample_row(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float, seq: Sequence
+) -> tuple[int, torch.Tensor]:
+    """The drawn token and the (unnormalised) probabilities it was drawn from."""
     scaled = row / temperature
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
@@ -43,4 +75,4 @@ def _sample_row(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if seq.generator is None and seq.sampling.seed is not None:
         seq.generator = torch.Generator(device=probs.device).manual_seed(seq.sampling.seed)
-    return int(torch.multinomial(probs, 1, generator=seq.generator).item())
+    return int(torch.multinomial(probs, 1, generator=seq.generator).item()), probs

@@ -21,11 +21,15 @@ blocks usually still cached, its media rows kept).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
+from llm_stage import prompt_logprob_blocks as scoring
 from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
+from llm_stage.prompt_logprobs import Scored
 from llm_stage.sequence import SeqStatus, Sequence
+from shared.messages import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # of ``token_id``, when the request asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +164,16 @@ class Scheduler:
         if not self._fits(seq, match, budget):
             if match.partial is None:
                 return False
-            match = PrefixMatch(match.blocks)  # NOTE: a shared start saves compute, not room
+            # NOTE: a shared start saves compute, not room. Prompt logprobs need the start (the
+            # last cached token is computed again), so such a request starts from nothing.
+            match = PrefixMatch([] if seq.wants_prompt_logprobs else match.blocks)
             if not self._fits(seq, match, budget):
                 return False
         copy = self.blocks.allocate(seq, match)
         if copy is not None:
             plan.copies.append(copy)
+        if seq.wants_prompt_logprobs:
+            scoring.start(seq, self.blocks, match)
         seq.status = SeqStatus.RUNNING
         if seq.num_preemptions == 0:
             self.blocks.stats.queries += seq.num_prompt_tokens
@@ -182,7 +192,9 @@ class Scheduler:
         if not self.blocks.enable_caching:
             return PrefixMatch([])
         hashes = seq.update_block_hashes(self.blocks.block_size)
-        return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.num_tokens - 1)
+        if not seq.wants_prompt_logprobs:
+            return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.num_tokens - 1)
+        return scoring.match_with_logprobs(self.blocks, seq, hashes)
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for ``seq``'s first ``num_tokens``, preempting newer sequences if needed."""
@@ -204,29 +216,55 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def postprocess(self, plan: StepPlan, tokens: list[int]) -> list[StepOutput]:
-        """Advance sequences after a forward; ``tokens`` holds one sample per sampling item, in
-        plan order."""
+    def postprocess(
+        self,
+        plan: StepPlan,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None] | None = None,
+        scored: list[Scored] = (),
+    ) -> list[StepOutput]:
+        """Advance sequences after a forward; ``tokens`` (and ``logprobs``) hold one sample per
+        sampling item, in plan order; ``scored`` the prompt logprobs computed."""
+        for s in scored:
+            if s.seq.plp_ids is not None:
+                s.seq.plp_ids[s.start : s.start + len(s.ids)] = s.ids
+                s.seq.plp_values[s.start : s.start + len(s.ids)] = s.values
         outputs: list[StepOutput] = []
         sampled = iter(tokens)
+        token_lps = iter(logprobs if logprobs is not None else [None] * len(tokens))
         for item in plan.items:
             seq = item.seq
             seq.num_computed_tokens = item.end
             if self.blocks.enable_caching:
+                if seq.wants_prompt_logprobs:
+                    scoring.store(seq, self.blocks)
                 self.blocks.commit(seq, seq.update_block_hashes(self.blocks.block_size))
             if not item.samples:
                 continue
-            token = next(sampled)
+            token, lp = next(sampled), next(token_lps)
+            prompt = scoring.take(seq) if seq.wants_prompt_logprobs else None
             seq.append_token(token)
             reason = seq.check_finished(token)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(self.output(seq, token))
+            outputs.append(dataclasses.replace(self.output(seq, token, logprobs=lp), prompt_logprobs=prompt))
         return outputs
 
-    def output(self, seq: Sequence, token: int | None, error: str | None = None) -> StepOutput:
+    def output(
+        self,
+        seq: Sequence,
+        token: int | None,
+        error: str | None = None,
+        logprobs: TokenLogprobs | None = None,
+    ) -> StepOutput:
         return StepOutput(
-            seq.seq_id, token, seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens, error
+            seq.seq_id,
+            token,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_cached_tokens,
+            error,
+            logprobs,
         )
 
     def _finish(self, seq: Sequence, reason: str) -> None:

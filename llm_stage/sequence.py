@@ -63,6 +63,11 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     matcher: Any = None  # llguidance matcher of the request's grammar (fed every sampled token)
     token_tensor: torch.Tensor | None = None  # token_ids for the penalties, grown as tokens come
+    # Prompt logprobs (asked for, not sent yet): one row per prompt token, see llm_stage.prompt_logprobs.
+    plp_ids: torch.Tensor | None = None
+    plp_values: torch.Tensor | None = None
+    plp_from: int = 1  # the first token whose entry this sequence computes (earlier ones: the store)
+    plp_sent: bool = False
 
     @classmethod
     def new(
@@ -100,6 +105,10 @@ class Sequence:
             # NOTE: later blocks (generated tokens) are hashed incrementally.
             block_hashes=block_hashes(prompt, spans, block_size, root_hash) if block_size else [],
         )
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None and not self.plp_sent
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,7 @@ from shared.messages import (
     Reencoded,
     ReleaseHandoff,
     ReleaseProbe,
+    TokenLogprobs,
 )
 from shared.metrics import MetricsServer
 from shared.rpc import Responder
@@ -138,6 +139,7 @@ class LLMService:
             "chunks_skipped": fetch.chunks_skipped,
             "grammar_compiles": self.grammars.stats.compiles,
             "grammar_cache_hits": self.grammars.stats.hits,
+            **self.engine.memory_info(),
         }
 
     def pong(self) -> Pong:
@@ -245,6 +247,8 @@ class LLMService:
 
     async def _stream(self, live: _Live, stream: bool) -> None:
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs] = []
+        prompt: list[TokenLogprobs | None] | None = None
         while True:
             outs = [await live.queue.get()]
             while not live.queue.empty():
@@ -255,13 +259,17 @@ class LLMService:
                 await live.reply.send(error)
                 return
             tokens += [o.token_id for o in outs if o.token_id is not None]
+            logprobs += [o.logprobs for o in outs if o.logprobs is not None]
+            prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
             if not stream and last.finish_reason is None:
                 continue  # one message at the end instead of one per step
-            chunk = GenerateChunk(tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens)
+            chunk = GenerateChunk(
+                tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
+            )
             await live.reply.send(chunk, final=last.finish_reason is not None)
             if last.finish_reason is not None:
                 return
-            tokens = []
+            tokens, logprobs, prompt = [], [], None
 
     # --- media rows -----------------------------------------------------------------------
 

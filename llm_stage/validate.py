@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from llm_stage.logprobs import MAX_LOGPROBS
 from llm_stage.text_model import TextLM
 from shared.checkpoint import ModelSpec
 from shared.messages import GenerateRequest, MediaSpan, ProbeRequest
@@ -76,6 +77,10 @@ def _check_sampling(msg: GenerateRequest, vocab_size: int) -> None:
         raise RequestError("bad_sampling", "min_tokens must be >= 0")
     if sp.grammar is not None and not isinstance(sp.grammar, str):
         raise RequestError("bad_sampling", "grammar must be a string")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(sp, name)
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+            raise RequestError("bad_sampling", f"{name} must be null or an integer in [0, {MAX_LOGPROBS}]")
 
 
 def _check_spans(ids: torch.Tensor, spans: list[MediaSpan], spec: ModelSpec) -> int:

@@ -218,7 +218,7 @@ async def _stream(
             if choice.finish_reason is None:
                 choice.update(item[1])
                 delta = choice.delta()
-                if delta:
+                if delta or choice.pending_logprobs:
                     await sse(resp, completion.chunk(choice, delta))
                     if record.first_token is None:
                         record.first_token = time.perf_counter()

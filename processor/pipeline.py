@@ -85,6 +85,8 @@ def sampling_params(req: ChatRequest, prompt_len: int, context: int, index: int 
         logit_bias=dict(req.logit_bias),
         min_tokens=req.min_tokens,
         grammar=req.grammar,
+        logprobs=req.top_logprobs if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 

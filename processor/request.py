@@ -15,6 +15,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # most choices one request may ask for
 MAX_LOGIT_BIAS = 300  # most entries in logit_bias (OpenAI's limit)
+MAX_LOGPROBS = 20  # most top_logprobs / prompt_logprobs entries (OpenAI's limit)
 # Fields OpenAI's API defines that change the answer and that this server does not implement: a 400
 # names them rather than answering as if they were absent.
 UNSUPPORTED = ("audio", "modalities", "prediction", "web_search_options", "functions", "function_call")
@@ -61,6 +62,9 @@ class ChatRequest:
     min_tokens: int = 0
     grammar: str | None = None  # llguidance grammar the answer must follow (structured output, tools)
     tools: Tools | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k
 
 
 def parse_chat_request(body: Any, held: Mapping[str, memoryview] | None = None) -> ChatRequest:
@@ -101,6 +105,7 @@ def parse_chat_request(body: Any, held: Mapping[str, memoryview] | None = None) 
     req.min_tokens = int(_number(body, "min_tokens", 0, 0, 1 << 31, integer=True))
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
         raise bad_request("'min_tokens' must not exceed max_tokens", "invalid_min_tokens", "min_tokens")
+    _logprobs(body, req)
     req.grammar = response_format_grammar(body.get("response_format"))
     req.tools = parse_tools(body)
     if req.tools is not None and req.tools.choice == "none":
@@ -279,9 +284,19 @@ def _logit_bias(value: Any) -> dict[int, float]:
     return out
 
 
+def _logprobs(body: dict, req: ChatRequest) -> None:
+    req.logprobs = _bool(body, "logprobs") if body.get("logprobs") is not None else False
+    top = body.get("top_logprobs")
+    if top is not None:
+        req.top_logprobs = int(_number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True))
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "invalid_top_logprobs", "top_logprobs")
+    if body.get("prompt_logprobs") is not None:
+        # NOTE: vLLM's -1 (the whole vocabulary) is refused: its size would be unbounded in practice.
+        req.prompt_logprobs = int(_number(body, "prompt_logprobs", 0, 0, MAX_LOGPROBS, integer=True))
+
+
 def _unsupported(body: dict) -> None:
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request("logprobs are not supported", "unsupported_parameter", "logprobs")
     for name in UNSUPPORTED:
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is not supported", "unsupported_parameter", name)

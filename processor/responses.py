@@ -8,6 +8,7 @@ import uuid
 import orjson
 from aiohttp import web
 
+from processor import logprobs as lp_shapes
 from processor.detokenizer import Detokenizer
 from processor.pipeline import Prepared
 from processor.request import ChatRequest
@@ -29,9 +30,14 @@ def model_card(name: str) -> dict:
 class Choice:
     """One choice's tokens, text and finish; tool-call blocks come out as ``tool_calls``."""
 
-    def __init__(self, index: int, tokenizer, req: ChatRequest):
+    def __init__(self, index: int, tokenizer, req: ChatRequest, text: lp_shapes.TokenText | None = None):
         self.index = index
         self.detok = Detokenizer(tokenizer, req.stop)
+        self.text = text or lp_shapes.TokenText(tokenizer)
+        self.want_logprobs = req.logprobs
+        self.logprobs: list[dict] = []  # OpenAI's logprobs.content entries, one per output token
+        self._logprobs_sent = 0
+        self.prompt_logprobs: list | None = None  # vLLM's shape, from the first reply that has them
         self.tools = ToolStream() if req.tools is not None else None
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
@@ -42,6 +48,10 @@ class Choice:
             return  # a stop string ended it; the stage's last tokens are not part of the answer
         self.num_output_tokens += len(chunk.token_ids)
         self.num_cached_tokens = chunk.num_cached_tokens
+        if self.want_logprobs and chunk.logprobs:
+            self.logprobs += lp_shapes.content(self.text, chunk.token_ids, chunk.logprobs)
+        if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.detok.add(chunk.token_ids)
         if self.detok.stopped:
             self.finish_reason = "stop"
@@ -73,6 +83,19 @@ class Choice:
         return message
 
     @property
+    def pending_logprobs(self) -> bool:
+        """Output logprobs not streamed yet."""
+        return len(self.logprobs) > self._logprobs_sent
+
+    def take_logprobs(self) -> dict | None:
+        """A stream chunk's ``logprobs``: the entries since the last chunk (None when not asked)."""
+        if not self.want_logprobs:
+            return None
+        new = self.logprobs[self._logprobs_sent :]
+        self._logprobs_sent = len(self.logprobs)
+        return {"content": new, "refusal": None}
+
+    @property
     def openai_finish_reason(self) -> str:
         if self.tools is not None and self.tools.calls and self.finish_reason == "stop":
             return "tool_calls"
@@ -89,7 +112,9 @@ class Completion:
         self.req = req
         self.prepared = prepared
         self.num_prompt_tokens = len(prepared.token_ids)
-        self.choices = [Choice(i, tokenizer, req) for i in range(req.n)]
+        self.text = lp_shapes.TokenText(tokenizer)
+        self.choices = [Choice(i, tokenizer, req, self.text) for i in range(req.n)]
+        self._prompt_logprobs_sent = False
 
     @property
     def done(self) -> bool:
@@ -121,7 +146,7 @@ class Completion:
                 "index": c.index,
                 "message": c.message(),
                 "finish_reason": c.openai_finish_reason,
-                "logprobs": None,
+                "logprobs": {"content": c.logprobs, "refusal": None} if c.want_logprobs else None,
             }
             if self.req.return_token_ids:
                 choice["token_ids"] = c.detok.token_ids
@@ -136,10 +161,16 @@ class Completion:
         }
         if self.req.return_token_ids:
             out["prompt_token_ids"] = self.prepared.token_ids
+        if self.req.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self._prompt_logprobs()
         return out
 
+    def _prompt_logprobs(self) -> list | None:
+        got = self.choices[0].prompt_logprobs
+        return None if got is None else lp_shapes.prompt_logprobs(self.text, self.prepared.token_ids, got)
+
     def chunk(self, choice: Choice, delta: dict, finish: bool = False) -> dict:
-        return {
+        out = {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
@@ -149,10 +180,16 @@ class Completion:
                     "index": choice.index,
                     "delta": delta,
                     "finish_reason": choice.openai_finish_reason if finish else None,
-                    "logprobs": None,
+                    "logprobs": choice.take_logprobs(),
                 }
             ],
         }
+        if self.req.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            prompt = self._prompt_logprobs()
+            if prompt is not None:  # NOTE: vLLM's stream carries them once, in the first chunk that can
+                out["prompt_logprobs"] = prompt
+                self._prompt_logprobs_sent = True
+        return out
 
     def usage_chunk(self) -> dict:
         return {

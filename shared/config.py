@@ -164,6 +164,9 @@ class LLMConfig:
     torch_threads: int = opt(0, "torch intra-op CPU threads (0 = torch's default: every core)")
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
     no_prefix_cache: bool = opt(False, "disable the KV prefix cache only")
+    no_prompt_logprob_store: bool = opt(
+        False, "keep no prompt logprobs beside the KV blocks (prompt_logprobs are then always computed)"
+    )
     metrics_port: int = opt(0, METRICS_PORT_HELP)
     log_format: str = opt("text", LOG_FORMAT_HELP)
 

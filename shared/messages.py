@@ -167,6 +167,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id → added to its logit
     min_tokens: int = 0  # stop tokens are banned until this many tokens are generated
     grammar: str | None = None  # llguidance grammar the output must follow
+    logprobs: int | None = None  # None: none; k: each output token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the top k
 
     @property
     def greedy(self) -> bool:
@@ -229,6 +231,17 @@ class GenerateRequest:
 
 @message
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One position's log-probabilities: of the token there, and the top ones (most likely first)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+    rank: int = 0  # 1 + how many tokens are more likely than the token there (0: not computed)
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class GenerateChunk:
     """Streamed reply: new tokens; the last one carries ``finish_reason``."""
 
@@ -236,6 +249,9 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    # Asked for: in the first chunk, one per prompt token (None for the first: nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @message

@@ -16,7 +16,8 @@ import torch
 
 # 2: FetchReply rows are (tokens, feature sets, hidden), every feature set of a token together;
 #    SamplingParams gained penalties, logit_bias, min_tokens and grammar.
-PROTOCOL_VERSION = 2
+# 3: SamplingParams gained logprobs and prompt_logprobs; GenerateChunk carries them (TokenLogprobs).
+PROTOCOL_VERSION = 3
 
 _REGISTRY: dict[str, type] = {}
 _TUPLE_FIELDS: dict[type, tuple[str, ...]] = {}  # msgpack has no tuples: restored on decode

@@ -98,3 +98,41 @@ def hf_greedy(
 ) -> list[int]:
     """Greedy new token ids (eos included when produced) from the HF model."""
     return hf_generate(model_dir, messages, images, videos, max_new_tokens).token_ids
+
+
+def hf_greedy_logprobs(
+    model_dir: str | Path,
+    messages: list[dict],
+    images: list[Image.Image | bytes] | None = None,
+    videos: list[list[np.ndarray]] | None = None,
+    max_new_tokens: int = 8,
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy new token ids and the log-softmax of HF's scores at each step, (steps, vocab)."""
+    _, model = load(str(model_dir))
+    inputs = hf_inputs(model_dir, messages, images, videos)
+    prompt_len = inputs["input_ids"].shape[1]
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    scores = torch.stack(out.scores)[:, 0].float()
+    return out.sequences[0, prompt_len:].tolist(), torch.log_softmax(scores, dim=-1)
+
+
+def hf_prompt_logprobs(
+    model_dir: str | Path,
+    messages: list[dict],
+    images: list[Image.Image | bytes] | None = None,
+    videos: list[list[np.ndarray]] | None = None,
+) -> tuple[list[int], torch.Tensor]:
+    """Prompt token ids and the log-softmax of HF's logits over the prompt: row ``j`` is the
+    distribution of token ``j + 1``, (prompt tokens - 1, vocab)."""
+    _, model = load(str(model_dir))
+    inputs = hf_inputs(model_dir, messages, images, videos)
+    with torch.inference_mode():
+        logits = model(**inputs).logits[0, :-1].float()
+    return inputs["input_ids"][0].tolist(), torch.log_softmax(logits, dim=-1)

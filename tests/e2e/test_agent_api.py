@@ -124,6 +124,18 @@ def test_response_and_every_stream_chunk_validate_against_openai_schema(server) 
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+def test_logprobs_validate_against_openai_schema(server) -> None:
+    body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    out = raw(server, body)
+    validate(out, "CreateChatCompletionResponse")
+    assert len(out["choices"][0]["logprobs"]["content"]) == 4
+    chunks = raw_stream(server, body)
+    for chunk in chunks:
+        validate(chunk, "CreateChatCompletionStreamResponse")
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == out["choices"][0]["logprobs"]["content"]
+
+
 def test_developer_role_is_the_system_turn(server) -> None:
     dev = raw(
         server, {"messages": [{"role": "developer", "content": "Be brief."}, *QUESTION], "max_tokens": 4}

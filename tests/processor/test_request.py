@@ -229,7 +229,11 @@ INVALID = [
     ("logit_bias_key", body(logit_bias={"x": 1}), "logit_bias", "invalid_logit_bias"),
     ("logit_bias_value", body(logit_bias={"3": 101}), "logit_bias", "invalid_logit_bias"),
     ("min_tokens", body(min_tokens=9, max_tokens=4), "min_tokens", "invalid_min_tokens"),
-    ("logprobs", body(logprobs=True), "logprobs", "unsupported_parameter"),
+    ("logprobs_int", body(logprobs=1), "logprobs", "invalid_logprobs"),
+    ("top_logprobs_alone", body(top_logprobs=3), "top_logprobs", "invalid_top_logprobs"),
+    ("top_logprobs_21", body(logprobs=True, top_logprobs=21), "top_logprobs", "invalid_top_logprobs"),
+    ("prompt_logprobs_all", body(prompt_logprobs=-1), "prompt_logprobs", "invalid_prompt_logprobs"),
+    ("prompt_logprobs_str", body(prompt_logprobs="2"), "prompt_logprobs", "invalid_prompt_logprobs"),
     ("audio", body(audio={"voice": "x"}), "audio", "unsupported_parameter"),
     ("function_call", body(function_call="auto"), "function_call", "unsupported_parameter"),
     ("tools_bad", body(tools=[{"type": "function"}]), "tools[0]", "invalid_tools"),
@@ -283,6 +287,13 @@ def test_invalid_bodies_name_param_and_code(payload, param, code):
     assert err.code == code
     assert err.param == param
     assert err.message  # a human-readable reason
+
+
+def test_logprob_fields_are_parsed():
+    req = parse_chat_request(body(logprobs=True, top_logprobs=5, prompt_logprobs=0))
+    assert (req.logprobs, req.top_logprobs, req.prompt_logprobs) == (True, 5, 0)
+    req = parse_chat_request(body(logprobs=False, top_logprobs=0))  # what some clients send
+    assert (req.logprobs, req.top_logprobs, req.prompt_logprobs) == (False, 0, None)
 
 
 def test_sampling_controls_and_roles_are_parsed():
