@@ -1,10 +1,12 @@
-# One image for every stage; compose picks the stage with the command.
-# BASE_IMAGE: any image with Python >= 3.11 and pip (e.g. python:3.11-slim, or a CUDA runtime image).
+# One image for every stage; the command picks the stage (compose.yaml, deploy/kubernetes/).
+# BASE_IMAGE: any image with Python >= 3.11, venv and pip: python:3.11-slim, a CUDA runtime image,
+# or, where no registry answers, the debootstrap image `scripts/docker-engine start` builds.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
+# torch and torchvision must be a matching pair (see README: Deployment).
 ARG TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 MMCACHE_HOME=/var/cache/mmcache
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 MMCACHE_HOME=/var/cache/mmcache
 
 WORKDIR /app
 # shellcheck disable=SC2086
@@ -17,7 +19,10 @@ COPY processor ./processor
 COPY encoder_stage ./encoder_stage
 COPY llm_stage ./llm_stage
 COPY mmcache ./mmcache
-RUN pip install .
+# The tiny test checkpoint is generated here, deterministically: every node that loads this image
+# has the same weights at /model without a shared volume. A real checkpoint is bind-mounted over it.
+RUN pip install . && mmcache make-tiny-model /model && rm -rf /root/.cache
 
+EXPOSE 8000 5556 5557
 ENTRYPOINT ["mmcache"]
-CMD ["serve"]
+CMD ["serve", "--model", "/model", "--host", "0.0.0.0"]

@@ -3,4 +3,4 @@
 Run one with ``python -m benchmarks.<name> [--quick]`` or all with ``mmcache bench [names]``.
 """
 
-MODULES = ("hashing", "processor_cache", "encoder", "llm", "structured")
+MODULES = ("hashing", "processor_cache", "encoder", "encoder_routing", "llm", "structured")

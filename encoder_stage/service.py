@@ -30,7 +30,7 @@ from shared.messages import (
     ReleaseHandoff,
 )
 from shared.rpc import Responder
-from shared.service import run_stage
+from shared.service import replica_id, run_stage
 from shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,14 @@ class EncoderService:
             "cache_capacity_bytes": cache.capacity,
             "fetches": self.num_fetches,
         }
-        return Pong("encoder", self.tower.spec.name, self.tower.fingerprint, self.batcher.queued, info)
+        return Pong(
+            "encoder",
+            self.tower.spec.name,
+            self.tower.fingerprint,
+            self.batcher.queued,
+            info,
+            id=replica_id(),
+        )
 
     def _lookup(self, key: bytes, handoff: bool) -> bool:
         """Present? (then pinned for hand-off if asked). A key still being computed counts as

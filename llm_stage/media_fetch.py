@@ -20,6 +20,8 @@ from shared.media_spans import chunk_places
 from shared.messages import FetchRequest, MediaSpan
 from shared.rpc import RemoteError, RpcClient
 
+MAX_ENCODER_CLIENTS = 256  # encoder replicas this LLM replica keeps a socket to
+
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
@@ -69,10 +71,23 @@ class MediaFetcher:
         self.stats = FetchStats()
 
     def client(self, address: str) -> RpcClient:
-        client = self._clients.get(address)
+        """The client of the encoder replica at ``address`` (as the processor found it).
+
+        NOTE: bounded: the least recently used client beyond :data:`MAX_ENCODER_CLIENTS` is
+        closed, and so is one whose call failed (see :meth:`_one`), so a replica that went away
+        leaves no socket reconnecting to it."""
+        client = self._clients.pop(address, None)
         if client is None:
-            client = self._clients[address] = RpcClient(self._ctx, address, "encoder")
+            client = RpcClient(self._ctx, address, "encoder")
+            while len(self._clients) >= MAX_ENCODER_CLIENTS:
+                self._clients.pop(next(iter(self._clients))).close()
+        self._clients[address] = client  # most recent last
         return client
+
+    def forget(self, address: str) -> None:
+        client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
 
     async def fetch(
         self, refs: list[ChunkRef], ranges: list[tuple[int, int]], pinned: set[bytes]
@@ -117,9 +132,13 @@ class MediaFetcher:
         return FetchResult(out, lost)
 
     async def _one(self, key: bytes, source: str, lo: int, hi: int, release: bool) -> torch.Tensor:
-        reply = await self.client(source).call(
-            FetchRequest(key, lo, hi, release=release), timeout=self._timeout
-        )
+        try:
+            reply = await self.client(source).call(
+                FetchRequest(key, lo, hi, release=release), timeout=self._timeout
+            )
+        except (TimeoutError, ConnectionError):
+            self.forget(source)  # a gone replica leaves no socket reconnecting to it
+            raise
         rows = reply.rows
         want = (hi - lo, self._sets, self._hidden)
         if tuple(rows.shape) != want or not rows.is_floating_point():

@@ -28,6 +28,10 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir")
     tiny.add_argument("--arch", default="qwen2-vl", choices=TINY_MODEL_ARCHS)
 
+    ping = sub.add_parser("ping", help="exit 0 when the stage at ADDRESS answers (health checks)")
+    ping.add_argument("address", help="e.g. tcp://127.0.0.1:5556")
+    ping.add_argument("--timeout", type=float, default=5.0)
+
     bench = sub.add_parser("bench", help="run the benchmarks and print their ratios")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="the short versions (seconds, not minutes)")
@@ -56,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         from mmcache.tiny_model import make_tiny_model
 
         print(make_tiny_model(args.dir, args.arch))
+    elif args.command == "ping":
+        from mmcache.ping import ping
+
+        sys.exit(ping(args.address, args.timeout))
     elif args.command == "bench":
         from mmcache.bench import run_benchmarks
 

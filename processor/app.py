@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import zmq
@@ -62,7 +63,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
         source = MediaSource(cfg.allowed_dirs, cfg.max_media_bytes, http)
         app[STAGES] = stages
         app[PIPELINE] = Pipeline(cfg, source, pre, prompts)
-        app[DISPATCHER] = Dispatcher(stages, cfg.stage_timeout)
+        app[DISPATCHER] = Dispatcher(stages, cfg.stage_timeout, cfg.max_failovers)
         yield
         app[PIPELINE].close()
         await http.close()
@@ -90,11 +91,20 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when every replica found answers; with ``?ready=1``, when each tier has one that does
+    (can serve: what container health checks and readiness probes ask, so a replica that is still
+    starting or has died does not take the processor out too)."""
     encoders, llms = await request.app[STAGES].health()
     stages = [*(("encoder", h) for h in encoders), *(("llm", h) for h in llms)]
-    ok = all(h.pong is not None for _, h in stages)
+    up = [h.pong is not None for _, h in stages]
+    # NOTE: a tier whose name resolves to no replica yet is never healthy.
+    if request.query.get("ready"):
+        ok = any(h.pong for h in encoders) and any(h.pong for h in llms)
+    else:
+        ok = bool(encoders) and bool(llms) and all(up)
     body = {
         "status": "ok" if ok else "unavailable",
+        "worker": os.getpid(),  # which of the `--workers` processes answered
         "stages": [
             {
                 "stage": kind,
@@ -112,6 +122,7 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text: the processor's own counters, then each stage replica's (from its Pong)."""
     cache = request.app[PIPELINE].cache
+    dispatcher = request.app[DISPATCHER]
     lines = [
         f"mmcache_processor_file_reads_total {request.app[PIPELINE].source.file_reads}",
         f"mmcache_processor_cache_hits_total {cache.stats.hits}",
@@ -121,7 +132,11 @@ async def metrics(request: web.Request) -> web.Response:
         f"mmcache_processor_cache_bytes {cache.nbytes}",
         f"mmcache_processor_cache_capacity_bytes {cache.capacity}",
         f"mmcache_processor_cache_entries {len(cache)}",
-        f"mmcache_processor_repairs_total {request.app[DISPATCHER].num_repairs}",
+        f"mmcache_processor_repairs_total {dispatcher.num_repairs}",
+        f'mmcache_processor_failover_retries_total{{stage="llm"}} {dispatcher.num_llm_retries}',
+        f'mmcache_processor_failover_retries_total{{stage="encoder"}} {dispatcher.num_encoder_retries}',
+        f'mmcache_processor_failover_migrations_total{{stage="llm"}} {dispatcher.num_llm_migrations}',
+        f"mmcache_processor_failover_exhausted_total {dispatcher.num_failover_exhausted}",
     ]
     encoders, llms = await request.app[STAGES].health()
     for stage, replicas in (("encoder", encoders), ("llm", llms)):
@@ -219,6 +234,15 @@ def _unknown_model(name: str, served: str, param: str | None) -> APIError:
 
 
 def run(cfg: ProcessorConfig) -> None:
+    if cfg.workers > 1:
+        from processor.workers import run_workers
+
+        raise SystemExit(run_workers(cfg))
+    serve(cfg)
+
+
+def serve(cfg: ProcessorConfig, reuse_port: bool = False) -> None:
+    """One processor process; with ``reuse_port`` it shares the port with its sibling workers."""
     from shared.service import setup_logging
     from shared.torch_utils import set_threads
 
@@ -228,6 +252,7 @@ def run(cfg: ProcessorConfig) -> None:
         init(cfg),
         host=cfg.host,
         port=cfg.port,
+        reuse_port=reuse_port or None,
         handler_cancellation=True,
         print=None,
         access_log=None,

@@ -1,18 +1,23 @@
-"""Clients for the encoder and LLM stage replicas: routing and health."""
+"""Clients for the encoder and LLM stage replicas: discovery, routing and health."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import zmq
 
 from shared.block_hash import block_hashes, root_hash
+from shared.discovery import Replica, ReplicaSet, Resolver, dns_resolve
 from shared.keys import Fingerprint
-from shared.messages import Ping, Pong, ProbeReply, ProbeRequest, ReleaseProbe
-from shared.routing import rendezvous, weight
+from shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
+from shared.routing import weight
 from shared.rpc import RpcClient
+
+MAX_PROBES = 4  # LLM replicas probed per request; with more, the prompt's rendezvous top four
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,30 +35,73 @@ class Route:
     probe: ProbeReply
 
 
+class _Clients(Mapping[str, RpcClient]):
+    """Encoder clients by address; one dropped since it was chosen raises ConnectionError (503)."""
+
+    def __init__(self, replicas: ReplicaSet):
+        self._replicas = replicas
+
+    def __getitem__(self, address: str) -> RpcClient:
+        replica = self._replicas.get(address)
+        if replica is None:
+            raise ConnectionError(f"encoder replica {address} is gone")
+        return replica.client
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._replicas.replicas)
+
+    def __len__(self) -> int:
+        return len(self._replicas.replicas)
+
+
 class StageClients:
-    def __init__(self, ctx: zmq.Context, encoders: list[str], llms: list[str]):
-        self.encoders = {a: RpcClient(ctx, a, "encoder") for a in encoders}
-        self.llms = [RpcClient(ctx, a, "llm") for a in llms]
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        encoders: list[str],
+        llms: list[str],
+        resolver: Resolver = dns_resolve,
+        **timers: float,
+    ):
+        self.encoder_set = ReplicaSet(ctx, encoders, "encoder", resolver, **timers)
+        self.llm_set = ReplicaSet(ctx, llms, "llm", resolver, **timers)
+        self.encoders = _Clients(self.encoder_set)
         self._kv_identity: tuple[bytes, int] | None = None
+        with contextlib.suppress(RuntimeError):  # no loop yet: started by the first request
+            asyncio.get_running_loop()
+            self.start()
+
+    def start(self) -> None:
+        self.encoder_set.start()
+        self.llm_set.start()
+
+    async def wait_started(self, timeout: float = 5.0) -> None:
+        """Until every stage name has been looked up once (and each replica pinged)."""
+        await asyncio.gather(self.encoder_set.wait_started(timeout), self.llm_set.wait_started(timeout))
 
     def encoder_for(self, chunk_key: bytes) -> str:
-        """The encoder replica that owns ``chunk_key`` (rendezvous hashing)."""
-        return rendezvous(chunk_key, list(self.encoders))
+        """The address of the encoder replica that owns ``chunk_key`` (rendezvous over live ids)."""
+        self.start()
+        return self.encoder_set.owner(chunk_key).address
 
     async def kv_identity(self, timeout: float) -> tuple[bytes, int] | None:
         """(model fingerprint, block size) of the LLM replicas, learned once from a Pong."""
         if self._kv_identity is None:
-            for client in self.llms:
-                health = await self.ping(client, timeout)
-                if health.pong is not None:
-                    self._kv_identity = (health.pong.fingerprint, health.pong.block_size)
+            for replica in self.llm_set.live():
+                if replica.pong is None:
+                    await self.llm_set.ping(replica, timeout)
+                if replica.pong is not None:
+                    pong = replica.pong
+                    self._kv_identity = (pong.fingerprint, pong.block_size)
                     break
         return self._kv_identity
 
     async def route(self, probe: ProbeRequest, timeout: float) -> Route:
-        """Probe every LLM replica; take the most cached full blocks, then the lightest load, then
-        the replica the prompt's first block hashes to (shared.routing). (A replica that shares
-        only the start of a block, such as a chat template's first tokens, has no real lead.)"""
+        """Probe the LLM replicas (at most :data:`MAX_PROBES`: the prompt's rendezvous top ones);
+        take the most cached full blocks, then the lightest load, then the replica the prompt's
+        first block hashes to (shared.routing). (A replica that shares only the start of a
+        block, such as a chat template's first tokens, has no real lead.)"""
+        self.start()
         identity = await self.kv_identity(timeout)
         if identity is not None:
             fp, size = identity
@@ -61,37 +109,47 @@ class StageClients:
                 probe.prompt_token_ids, probe.spans, size, root_hash(Fingerprint(fp), probe.salt)
             )
             probe = dataclasses.replace(probe, block_size=size, block_hashes=hashes)
+        affinity = probe.block_hashes[0] if probe.block_hashes else probe.prompt_token_ids.numpy().tobytes()
+        # NOTE: the same prompt ranks the replicas alike in every processor, so a conversation's
+        # probes keep reaching the replica that holds its prefix.
+        chosen = self.llm_set.ranked(affinity)[:MAX_PROBES]
+        if not chosen:
+            raise ConnectionError("no LLM replica found")
         replies = await asyncio.gather(
-            *(c.call(probe, timeout=timeout) for c in self.llms), return_exceptions=True
+            *(r.client.call(probe, timeout=timeout) for r in chosen), return_exceptions=True
         )
-        live = [(c, r) for c, r in zip(self.llms, replies, strict=True) if isinstance(r, ProbeReply)]
+        live: list[tuple[Replica, ProbeReply]] = []
+        for replica, reply in zip(chosen, replies, strict=True):
+            if isinstance(reply, ProbeReply):
+                live.append((replica, reply))
+            else:
+                self.llm_set.suspect(replica.address)
         if not live:
             errors = [r for r in replies if isinstance(r, BaseException)]
             raise errors[0] if errors else ConnectionError("no LLM replica")
-        affinity = probe.block_hashes[0] if probe.block_hashes else probe.prompt_token_ids.numpy().tobytes()
         size = max(probe.block_size, 1)
-        client, best = max(
-            live, key=lambda cr: (cr[1].cached_tokens // size, -cr[1].load, weight(cr[0].address, affinity))
+        best, reply = max(
+            live,
+            key=lambda rr: (rr[1].cached_tokens // size, -rr[1].load, weight(rr[0].name, affinity)),
         )
-        for other, reply in live:
-            if other is not client and reply.probe_id:
-                await other.notify(ReleaseProbe(reply.probe_id))
-        return Route(client, best)
-
-    async def ping(self, client: RpcClient, timeout: float) -> Health:
-        try:
-            return Health(client.address, await client.call(Ping(), timeout=timeout))
-        except TimeoutError:
-            return Health(client.address, None, "no answer")
-        except Exception as exc:
-            return Health(client.address, None, str(exc))
+        for other, other_reply in live:
+            if other is not best and other_reply.probe_id:
+                await other.client.notify(ReleaseProbe(other_reply.probe_id))
+        return Route(best.client, reply)
 
     async def health(self, timeout: float = 2.0) -> tuple[list[Health], list[Health]]:
-        enc = [self.ping(c, timeout) for c in self.encoders.values()]
-        llm = [self.ping(c, timeout) for c in self.llms]
-        results = await asyncio.gather(*enc, *llm)
-        return list(results[: len(enc)]), list(results[len(enc) :])
+        """Ping every replica known now (the results feed discovery too)."""
+        self.start()
+
+        async def one(replicas: ReplicaSet) -> list[Health]:
+            known = list(replicas.replicas.values())
+            errors = await asyncio.gather(*(replicas.ping(r, timeout) for r in known))
+            pairs = zip(known, errors, strict=True)
+            return [Health(r.address, r.pong if e is None else None, e) for r, e in pairs]
+
+        enc, llm = await asyncio.gather(one(self.encoder_set), one(self.llm_set))
+        return enc, llm
 
     def close(self) -> None:
-        for client in (*self.encoders.values(), *self.llms):
-            client.close()
+        self.encoder_set.close()
+        self.llm_set.close()

@@ -90,6 +90,9 @@ def split_list(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
 
 
+MAX_WORKERS = 64
+
+
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{flag_name(name)} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -188,6 +191,10 @@ class ProcessorConfig:
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
     max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
+    max_failovers: int = opt(
+        3, "times one request may move to another LLM replica (and re-place its encoding) when one dies"
+    )
+    workers: int = opt(1, "processor processes on the one HTTP port (SO_REUSEPORT), each with its own caches")
     torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
     allowed_origins: str = opt(
@@ -208,11 +215,15 @@ class ProcessorConfig:
             "max_request_bytes",
             "stage_timeout",
             "max_concurrent_requests",
+            "workers",
         ):
             _positive(name, getattr(self, name))
+        if self.workers > MAX_WORKERS:
+            raise ValueError(f"--workers must be at most {MAX_WORKERS}, got {self.workers}")
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
+        _positive("max_failovers", self.max_failovers, allow_zero=True)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
         if not split_list(self.encoder) or not split_list(self.llm):
             raise ValueError("--encoder and --llm need at least one address each")

@@ -30,6 +30,7 @@ class Pong:
     load: int = 0  # requests queued or running
     info: dict = field(default_factory=dict)  # counters, for people (metrics), never for routing
     block_size: int = 0  # an LLM replica's KV block size (routing hashes blocks of this size)
+    id: str = ""  # the replica's own stable id (shared.service.replica_id): routing keys on it
 
 
 @message
@@ -224,6 +225,9 @@ class GenerateRequest:
     salt: str | None = None
     probe_id: int = 0  # pin from an earlier ProbeRequest, released once the prefix is held
     stream: bool = True  # False: one reply with every token at the end (nobody reads them earlier)
+    # A generation moved here from a replica that died: the tokens it had generated already
+    # (this replica continues after them and sends only what comes next).
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @message

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -16,6 +17,15 @@ from shared.rpc import Handler, QuickHandler, RpcServer
 log = logging.getLogger(__name__)
 
 Closer = Callable[[], None]
+
+_replica_id = ""
+
+
+def replica_id() -> str:
+    """This process's id, sent in every Pong: ``MMCACHE_REPLICA_ID``, else host name and bound
+    address (a container's or pod's host name is its own; the address tells apart replicas that
+    share a host). Empty before :func:`serve` binds."""
+    return _replica_id
 
 
 def setup_logging(stage: str) -> None:
@@ -40,7 +50,9 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     handler, quick, close = await make_handler(ctx)
     server = RpcServer(ctx, bind, handler, name, quick)
-    log.info("%s ready on %s (pid %d)", name, server.address, os.getpid())
+    global _replica_id
+    _replica_id = os.environ.get("MMCACHE_REPLICA_ID") or f"{socket.gethostname()}/{server.address}"
+    log.info("%s ready on %s (pid %d, replica %s)", name, server.address, os.getpid(), _replica_id)
     serving = loop.create_task(server.serve_forever())
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

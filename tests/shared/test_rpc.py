@@ -405,3 +405,23 @@ async def test_a_peer_that_stops_reading_holds_up_only_its_own_replies():
         stuck.close(linger=0)
         live.close(linger=0)
         ctx.term()
+
+
+async def test_closing_a_client_ends_its_waiting_calls_and_streams_with_503(rpc: Harness):
+    """Discovery closes the client of a replica that went away: what waited on it fails now."""
+    client = rpc.client()
+    call = asyncio.create_task(client.call(RpcProbe(1, delay=30), timeout=60))
+
+    async def read_stream():
+        async with client.stream(RpcProbe(2, replies=3, stall_after=1), timeout=60) as replies:
+            return [r async for r in replies]
+
+    stream = asyncio.create_task(read_stream())
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    client.close()
+    for task in (call, stream):
+        with pytest.raises(RemoteError) as info:
+            await task
+        assert info.value.reply.status == 503 and info.value.reply.code == "stage_unavailable"
+    assert time.monotonic() - started < 5

@@ -1,0 +1,87 @@
+"""A multi-node Swarm on one machine: each node a docker-in-docker container on a bridge network
+the test creates (the recipe and kernel settings this machine needs are in tests/deploy/node)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.deploy.docker import ROOT, sh, wait_for
+
+NODE_IMAGE = "mmcache-swarm-node:test"
+# Everything --privileged would give except CAP_SYS_RESOURCE, which this machine's bounding set lacks.
+NODE_FLAGS = (
+    "--cap-add", "ALL", "--cap-drop", "SYS_RESOURCE",
+    "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
+    "--security-opt", "systempaths=unconfined", "--device-cgroup-rule", "a *:* rwm",
+)  # fmt: skip
+
+
+class Swarm:
+    def __init__(self, size: int, port: int = 8000):
+        self.tag = uuid.uuid4().hex[:8]
+        self.network = f"mmcache-swarm-{self.tag}"
+        self.nodes = [f"mmcache-node{i}-{self.tag}" for i in range(size)]
+        self.port = port
+        node_dir = str(ROOT / "tests/deploy/node")
+        sh("docker", "build", "-q", "-t", NODE_IMAGE, node_dir, env={"DOCKER_BUILDKIT": "0"})
+        sh("docker", "network", "create", self.network)
+        for node in self.nodes:
+            sh(
+                "docker", "run", "-d", "--name", node, "--hostname", node, "--network", self.network,
+                *NODE_FLAGS, "-v", f"{node}:/var/lib/docker", NODE_IMAGE,
+            )  # fmt: skip
+        for node in self.nodes:
+            wait_for(f"the engine in {node}", lambda n=node: self.run(n, "docker", "info", check=False), 60)
+        manager = self.nodes[0]
+        self.run(manager, "docker", "swarm", "init", "--advertise-addr", self.ip(manager))
+        token = self.run(manager, "docker", "swarm", "join-token", "-q", "worker").strip()
+        for node in self.nodes[1:]:
+            self.run(node, "docker", "swarm", "join", "--token", token, f"{self.ip(manager)}:2377")
+        wait_for("every node Ready", lambda: self.ready() == len(self.nodes), 60)
+
+    def run(self, node: str, *cmd: str, check: bool = True, **kw) -> str:
+        return sh("docker", "exec", *kw.pop("exec_args", ()), node, *cmd, check=check, **kw)
+
+    def manage(self, *cmd: str, **kw) -> str:
+        return self.run(self.nodes[0], "docker", *cmd, **kw)
+
+    def ip(self, node: str) -> str:
+        info = json.loads(sh("docker", "inspect", node))
+        return info[0]["NetworkSettings"]["Networks"][self.network]["IPAddress"]
+
+    def ready(self) -> int:
+        return self.manage("node", "ls", "--format", "{{.Status}}").split().count("Ready")
+
+    def load(self, image: str) -> None:
+        """``docker save | docker load`` into every node (no registry), all nodes at once."""
+
+        def one(node: str) -> None:
+            save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+            try:
+                sh("docker", "exec", "-i", node, "docker", "load", "-q", stdin=save.stdout, timeout=900)
+            finally:
+                save.stdout.close()
+                assert save.wait() == 0
+
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(one, self.nodes))
+
+    def deploy(self, stack: str, compose: str, env: dict[str, str]) -> None:
+        sh("docker", "cp", compose, f"{self.nodes[0]}:/compose.yaml")
+        flags = [x for k, v in env.items() for x in ("-e", f"{k}={v}")]
+        self.run(self.nodes[0], "docker", "stack", "deploy", "-c", "/compose.yaml", stack, exec_args=flags)
+
+    def tasks(self, service: str) -> list[tuple[str, str]]:
+        """(node, current state) of each task of ``service`` meant to run."""
+        out = self.manage("service", "ps", service, "--filter", "desired-state=running",
+                          "--format", "{{.Node}} {{.CurrentState}}")  # fmt: skip
+        return [(line.split()[0], line.split(" ", 1)[1]) for line in out.splitlines() if line.strip()]
+
+    def close(self) -> None:
+        for node in self.nodes:
+            sh("docker", "rm", "-f", "-v", node, check=False)
+            sh("docker", "volume", "rm", "-f", node, check=False)
+        sh("docker", "network", "rm", self.network, check=False)

@@ -1,0 +1,74 @@
+"""``docker compose up --scale`` for real: the repo's image and compose.yaml on a real Docker Engine.
+
+The same image and video requests get the same greedy answers as ``mmcache serve`` in one
+container; per-replica counters show both encoders holding shards and both LLM replicas serving;
+``--scale encoder=3`` on the running stack is picked up; ``down`` leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.deploy.docker import (
+    STARTUP,
+    answers,
+    bodies,
+    free_port,
+    healthy,
+    replica_metrics,
+    sh,
+    up_replicas,
+    wait_for,
+)
+
+pytestmark = pytest.mark.deploy
+
+
+def test_compose_scales_each_tier(image, reference):
+    project, port = f"mmcache-test-{uuid.uuid4().hex[:8]}", free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {"MMCACHE_IMAGE": image, "PORT": str(port), "MMCACHE_TORCH_THREADS": "1"}
+    compose = ("docker", "compose", "-p", project, "-f", "compose.yaml")
+    label = f"label=com.docker.compose.project={project}"
+    scale = ("up", "-d", "--no-build", "--scale", "llm=2")
+    try:
+        sh(*compose, *scale, "--scale", "encoder=2", env=env)
+        wait_for("the compose stack", lambda: healthy(base), STARTUP)
+        wait_for(
+            "2 encoders and 2 LLM replicas up",
+            lambda: len(up_replicas(base, "encoder")) == 2 and len(up_replicas(base, "llm")) == 2,
+            STARTUP,
+        )
+        assert answers(base, reference["bodies"]) == reference["answers"]
+        m = replica_metrics(base)
+        encoded = m["encoder_chunks_encoded"]
+        assert len(encoded) == 2 and all(v > 0 for v in encoded.values()), encoded  # both hold shards
+        steps = m["llm_steps"]
+        assert len(steps) == 2 and all(v > 0 for v in steps.values()), steps  # both serve
+
+        # Scale the running stack: the processor finds the third encoder by its name alone.
+        before = set(encoded)
+        sh(*compose, *scale, "--no-recreate", "--scale", "encoder=3", env=env)
+        wait_for("a third encoder", lambda: len(up_replicas(base, "encoder")) == 3, STARTUP)
+        more = bodies(reference["model"], range(100, 124))
+        assert len(answers(base, more)) == len(more)
+        encoded = replica_metrics(base)["encoder_chunks_encoded"]
+        (new,) = set(encoded) - before
+        assert encoded[new] > 0, encoded  # the new replica got its shard
+        assert all(encoded[a] > 0 for a in before)
+
+        # SIGTERM stops every stage by itself (no SIGKILL after the 10 s grace period).
+        started = time.monotonic()
+        sh(*compose, "stop", "-t", "10", env=env)
+        print(f"\n{len(encoded) + 3} containers stopped in {time.monotonic() - started:.1f} s")
+        ids = sh("docker", "ps", "-aq", "--filter", label).split()
+        codes = {i: sh("docker", "inspect", "-f", "{{.State.ExitCode}}", i).strip() for i in ids}
+        assert len(ids) == 6 and "137" not in codes.values(), codes
+    finally:
+        sh(*compose, "down", "-v", "--remove-orphans", "-t", "5", env=env, check=False)
+    assert sh("docker", "ps", "-aq", "--filter", label).strip() == ""
+    assert sh("docker", "network", "ls", "-q", "--filter", label).strip() == ""
+    assert sh("docker", "volume", "ls", "-q", "--filter", label).strip() == ""
