@@ -181,6 +181,9 @@ class RemoteError(RuntimeError):
         self.reply = reply
 
 
+_monitors = itertools.count()  # names of the clients' monitor sockets
+
+
 class RpcClient:
     """One DEALER socket to one server address.
 
@@ -201,7 +204,11 @@ class RpcClient:
         self.address = address
         self._name = name
         self._sock = _Socket(ctx, zmq.DEALER, on_message=self._on_reply)
-        self._monitor = self._sock.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # NOTE: a plain socket whatever the context's class (as _Socket's), read without blocking.
+        where = f"inproc://rpc-monitor-{next(_monitors)}"
+        self._sock.sock.monitor(where, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor: zmq.Socket | None = zmq.Socket(ctx, zmq.PAIR)
+        self._monitor.connect(where)
         self._watched: asyncio.AbstractEventLoop | None = None
         self._on_lost = on_lost
         self.lost = False  # the connection dropped and is not back yet
