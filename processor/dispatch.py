@@ -199,7 +199,15 @@ class Dispatcher:
 
         async def one(source: str, group: list[_Placed]) -> None:
             keys = list(dict.fromkeys(p.chunk.key for p in group))
-            reply = await self.stages.encoders[source].call(LookupRequest(keys), timeout=self.timeout)
+            timeout = self.stages.encoder_timeout(source, self.timeout)
+            try:
+                reply = await asyncio.wait_for(
+                    self.stages.encoders[source].call(LookupRequest(keys), timeout=timeout), timeout
+                )
+            except TimeoutError as exc:
+                if timeout < self.timeout:  # a replica out of the heartbeat: gone, not slow
+                    raise ConnectionError(f"encoder replica {source} does not answer") from exc
+                raise
             missing = set(reply.missing)
             prepared.report.encoder_hits += len(keys) - len(missing)
             prepared.report.encoder_misses += len(missing)

@@ -10,6 +10,7 @@ repeats nothing. The uninterrupted answers come from the same stack under anothe
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import signal
@@ -19,7 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
+import zmq
 
+from shared.messages import Ping
+from shared.rpc import RpcClient
 from tests.e2e.test_replicas import Stack
 from tests.e2e.util import chat, image_part
 from tests.media import image_bytes
@@ -119,6 +123,23 @@ def run_all(stack: Stack, load: list[dict], kill=None, after: int = 0) -> tuple[
         return [f.result() for f in futures], killed_at
 
 
+def llm_loads(addresses: list[str]) -> list[int]:
+    """Each LLM replica's requests in progress, asked directly (the processor's /metrics pings
+    every replica, a dead encoder's for up to a ping timeout: too slow for a kill's timing)."""
+
+    async def ask() -> list[int]:
+        ctx = zmq.Context()
+        clients = [RpcClient(ctx, a, "llm") for a in addresses]
+        try:
+            return [p.load for p in await asyncio.gather(*(c.call(Ping(), timeout=5) for c in clients))]
+        finally:
+            for c in clients:
+                c.close()
+            ctx.destroy(linger=0)
+
+    return asyncio.run(ask())
+
+
 def counters(stack: Stack) -> dict[str, float]:
     m = stack.metrics()
     return {
@@ -185,7 +206,8 @@ def test_llm_killed_mid_stream_migrates_streams(stack):
 
     def kill() -> None:
         """SIGKILL the LLM replica running the most of these requests (LLM procs follow encoders')."""
-        load = [stack.metrics()[f'mmcache_llm_load{{address="{a}"}}'] for a in stack.llms]
+        load = llm_loads(stack.llms)
+        print(f"\nLLM replicas' load at the kill: {load}")
         killed.append(stack.procs[len(stack.encoders) + load.index(max(load))])
         killed[0].send_signal(signal.SIGKILL)
 
@@ -195,3 +217,21 @@ def test_llm_killed_mid_stream_migrates_streams(stack):
     delta = check("LLM replica killed", stack, got, want, before, killed_at)
     assert delta["migrated"] > 0  # streams really moved mid-answer
     assert delta["exhausted"] == 0
+
+
+def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack):
+    """Runs after the LLM kill test: the last replica is killed too; a request then ends with a
+    503 naming why, in seconds (not at the 120 s stage timeout), and counts as exhausted."""
+    for proc in stack.procs[len(stack.encoders) : -1]:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+    before = counters(stack)
+    t0 = time.monotonic()
+    got = stream(stack.port, bodies("nothing-left", 1100)[0], Started())
+    elapsed = time.monotonic() - t0
+    print(f"\nno LLM replica left: {got.error} after {elapsed:.2f} s")
+    assert got.error is not None and "503" in got.error and "stage_unavailable" in got.error, got.error
+    assert "LLM replica" in got.error
+    assert elapsed < 15
+    assert counters(stack)["exhausted"] == before["exhausted"] + 1
