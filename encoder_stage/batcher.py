@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class BatchStats:
 
 @dataclass(slots=True)
 class _Pending:
-    chunk: Chunk
+    chunk: VisionInput
     patches: int
     future: asyncio.Future = field(repr=False)
 
@@ -48,7 +48,7 @@ class Batcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    async def encode(self, chunk: Chunk) -> torch.Tensor:
+    async def encode(self, chunk: VisionInput) -> torch.Tensor:
         """Embeddings of one chunk, computed in the next forward that has room for it."""
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._run())

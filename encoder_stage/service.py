@@ -11,7 +11,7 @@ import zmq
 
 from encoder_stage.batcher import Batcher
 from encoder_stage.embedding_cache import EmbeddingCache
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from shared.checkpoint import ModelSpec
 from shared.config import EncoderConfig
 from shared.keys import ChunkKey, embed_key
@@ -129,7 +129,7 @@ class EncoderService:
             self.cache.put(key, rows, handoff)
 
     async def _compute(self, key: bytes, item: EncodeItem) -> torch.Tensor:
-        rows = await self.batcher.encode(Chunk(item.modality, item.pixels))
+        rows = await self.batcher.encode(VisionInput(item.modality, item.pixels))
         self.cache.put(key, rows, handoff=False)
         return rows
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Chunk:
+class VisionInput:
     """One unit of encoding: an image, or one temporal patch of a video."""
 
     modality: str  # "image" | "video"
@@ -75,7 +75,7 @@ class VisionTower:
             "vision", [("weights", spec.weights_fingerprint.hex()), ("dtype", str(self.dtype))]
         )
 
-    def patches(self, chunk: Chunk) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    def patches(self, chunk: VisionInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Normalise and patchify one chunk exactly as the HF processor does."""
         proc = self.image_processor if chunk.modality == "image" else self.video_processor
         pixels = chunk.pixels.to(self.device)
@@ -95,7 +95,7 @@ class VisionTower:
         return flat[0], grid_thw
 
     @torch.inference_mode()
-    def encode(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+    def encode(self, chunks: list[VisionInput]) -> list[torch.Tensor]:
         """One forward over all chunks; returns (tokens, feature_sets, hidden) rows per chunk, on the CPU."""
         prepared = [self.patches(c) for c in chunks]
         pixel_values = torch.cat([p for p, _ in prepared]).to(self.dtype)
@@ -108,7 +108,7 @@ class VisionTower:
         sizes = (grid_thw.prod(-1) // (self.merge * self.merge)).tolist()
         return [e.to("cpu", copy=True) for e in torch.split(rows, sizes)]
 
-    def num_patches(self, chunk: Chunk) -> int:
+    def num_patches(self, chunk: VisionInput) -> int:
         _, _, h, w = chunk.pixels.shape
         patch = self.image_processor.patch_size
         return (h // patch) * (w // patch)

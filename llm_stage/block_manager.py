@@ -65,7 +65,7 @@ class BlockCopy:
 
 
 @dataclass(slots=True)
-class CacheStats:
+class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens served from the cache
     evictions: int = 0  # cached blocks whose hash was forgotten for reuse
@@ -80,7 +80,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.children: dict[BlockHash, dict[int, None]] = {}  # parent hash → cached blocks, oldest first
-        self.stats = CacheStats()
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:

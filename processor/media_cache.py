@@ -26,7 +26,7 @@ MAX_ALIASES = 1 << 16  # data: URL aliases kept (about 100 bytes each)
 
 
 @dataclass(slots=True)
-class CacheStats:
+class MediaCacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -41,7 +41,7 @@ class MediaCache:
         self._aliases: OrderedDict[bytes, MediaKey] = OrderedDict()
         self._held: Counter[MediaKey] = Counter()  # entry → live requests holding it
         self.nbytes = 0
-        self.stats = CacheStats()
+        self.stats = MediaCacheStats()
 
     @property
     def enabled(self) -> bool:

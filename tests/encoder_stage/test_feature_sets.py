@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from encoder_stage.embedding_cache import EmbeddingCache
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from processor.preprocess import Preprocessor
 from shared import wire
 from shared.checkpoint import ModelSpec
@@ -23,7 +23,7 @@ def test_feature_sets_are_cached_together_and_sent_without_a_copy(tiny_models):
     assert spec.feature_sets == 4  # merged, then deepstack layers 0, 1, 2
     tower = VisionTower(spec, device="cpu", dtype="float32")
     layout = Preprocessor(str(path), 2.0, 64).image(Image.open(io.BytesIO(image_bytes(448, 448))), None)
-    (rows,) = tower.encode([Chunk("image", layout.chunks[0].pixels)])
+    (rows,) = tower.encode([VisionInput("image", layout.chunks[0].pixels)])
     hidden = spec.text_config["hidden_size"]
     assert rows.shape == (196, 4, hidden) and rows.is_contiguous()
     assert len({bytes(rows[:, i].numpy()) for i in range(4)}) == 4  # four different sets

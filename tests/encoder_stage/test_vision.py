@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from processor.media_decode import DecodedVideo
 from processor.preprocess import Preprocessor
 from shared.checkpoint import ModelSpec
@@ -60,13 +60,13 @@ def _image(width: int, height: int, seed: int = 0) -> Image.Image:
     return Image.open(io.BytesIO(_image_data(width, height, seed)))
 
 
-def _video_chunks(env: Env, frames: np.ndarray) -> list[Chunk]:
+def _video_chunks(env: Env, frames: np.ndarray) -> list[VisionInput]:
     layout = env.pre.video(DecodedVideo(frames, 2.0), salt=None)
-    return [Chunk("video", c.pixels) for c in layout.chunks]
+    return [VisionInput("video", c.pixels) for c in layout.chunks]
 
 
-def _image_chunk(env: Env, image: Image.Image) -> Chunk:
-    return Chunk("image", env.pre.image(image, salt=None).chunks[0].pixels)
+def _image_chunk(env: Env, image: Image.Image) -> VisionInput:
+    return VisionInput("image", env.pre.image(image, salt=None).chunks[0].pixels)
 
 
 def _hf_rows(out, index: int = 0) -> torch.Tensor:

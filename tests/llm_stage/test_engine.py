@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import Chunk, VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from llm_stage.engine import Engine
 from llm_stage.sequence import MediaRows, Sequence
 from processor.preprocess import Preprocessor
@@ -89,7 +89,7 @@ def _build_prompt(env: Env, text: str, images: list[tuple[int, int, int]]) -> Pr
         offset = ids.index(pad, cursor)
         span = MediaSpan(offset, "image", layout.grid_thw, [c.key for c in layout.chunks], 1.0, 2)
         assert ids[offset : offset + span.num_tokens] == [pad] * span.num_tokens
-        (rows,) = env.tower.encode([Chunk("image", layout.chunks[0].pixels)])
+        (rows,) = env.tower.encode([VisionInput("image", layout.chunks[0].pixels)])
         prompt.spans.append(span)
         prompt.media.append(MediaRows(offset, rows))
         cursor = offset + span.num_tokens

@@ -17,8 +17,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from encoder_stage.vision import Chunk as EncoderChunk
-from encoder_stage.vision import VisionTower
+from encoder_stage.vision import VisionInput, VisionTower
 from processor.media_decode import DecodedVideo, DecodeLimits, decode_image, decode_video
 from processor.preprocess import Preprocessor
 from shared.checkpoint import ModelSpec
@@ -80,7 +79,7 @@ def _patches(stack: Stack, layout) -> tuple[torch.Tensor, tuple[int, int, int]]:
     flats, grids = [], []
     for chunk in layout.chunks:
         assert chunk.pixels.dtype == torch.uint8
-        flat, grid = stack.tower.patches(EncoderChunk(layout.modality, chunk.pixels))
+        flat, grid = stack.tower.patches(VisionInput(layout.modality, chunk.pixels))
         flats.append(flat)
         grids.append(grid)
     t = sum(g[0] for g in grids)

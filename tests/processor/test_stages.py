@@ -8,7 +8,7 @@ import asyncio
 import socket
 
 import torch
-import zmq
+import zmq.asyncio
 
 from processor.stages import MAX_PROBES, StageClients
 from shared.discovery import tcp_address
@@ -28,9 +28,7 @@ class FakeLLM:
 
     def quick(self, msg, reply) -> bool:
         if isinstance(msg, Ping):
-            reply.send_nowait(
-                Pong("llm", "m", b"fp", info={"max_model_len": 4096}, block_size=16, id=self.id)
-            )
+            reply.send_nowait(Pong("llm", "m", b"fp", block_size=16, id=self.id))
         elif isinstance(msg, ProbeRequest):
             self.probes += 1
             reply.send_nowait(ProbeReply(self.cached, probe_id=7, load=0, max_model_len=4096))
@@ -55,7 +53,7 @@ def free_port() -> int:
 
 
 async def test_many_llm_replicas_get_a_bounded_stable_fan_out():
-    ctx = zmq.Context()
+    ctx = zmq.asyncio.Context()
     port = free_port()
     ips = [f"127.0.0.{i}" for i in range(2, 9)]  # 7 replicas behind one name
     llms = {ip: FakeLLM(ctx, ip, port, f"llm-{ip}") for ip in ips}
