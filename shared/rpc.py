@@ -207,7 +207,9 @@ class RpcClient:
         # NOTE: a plain socket whatever the context's class (as _Socket's), read without blocking.
         where = f"inproc://rpc-monitor-{next(_monitors)}"
         self._sock.sock.monitor(where, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self._monitor: zmq.Socket | None = zmq.Socket(ctx, zmq.PAIR)
+        # NOTE: made through the context, so ``ctx.destroy`` closes it even if nobody else does
+        # (a socket the context does not know would keep ``term`` waiting forever).
+        self._monitor: zmq.Socket | None = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
         self._monitor.connect(where)
         self._watched: asyncio.AbstractEventLoop | None = None
         self._on_lost = on_lost
