@@ -137,7 +137,7 @@ class MediaFetcher:
                 FetchRequest(key, lo, hi, release=release), timeout=self._timeout
             )
         except (TimeoutError, ConnectionError):
-            self.forget(source)
+            self.forget(source)  # a gone replica leaves no socket reconnecting to it
             raise
         rows = reply.rows
         want = (hi - lo, self._sets, self._hidden)

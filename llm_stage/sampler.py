@@ -12,6 +12,8 @@ is the processed logits' softmax at temperature 1 (its argmax is the token).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from llm_stage import logits_processors
@@ -73,6 +75,17 @@ def _sample_row(
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if seq.generator is None and seq.sampling.seed is not None:
-        seq.generator = torch.Generator(device=probs.device).manual_seed(seq.sampling.seed)
+    if seq.sampling.seed is not None:
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=probs.device)
+        # NOTE: seeded by (seed, output token index), not one stream from the seed: a generation
+        # moved to another replica mid-answer (its tokens so far resent) draws what it would
+        # have drawn here.
+        seq.generator.manual_seed(step_seed(seq.sampling.seed, seq.num_output_tokens))
     return int(torch.multinomial(probs, 1, generator=seq.generator).item()), probs
+
+
+def step_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

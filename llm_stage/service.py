@@ -184,8 +184,11 @@ class LLMService:
     # --- generate -------------------------------------------------------------------------
 
     def _sequence(self, msg: GenerateRequest) -> Sequence:
+        """The request's sequence; a moved generation's tokens so far follow its prompt as output
+        (penalties, min_tokens, max_tokens and the seeded draws count them), computed like a
+        preempted sequence's."""
         sp = msg.sampling
-        return Sequence.new(
+        seq = Sequence.new(
             seq_id=next(self._ids),
             prompt=msg.prompt_token_ids,
             spans=list(msg.spans),
@@ -199,6 +202,8 @@ class LLMService:
             block_size=self.cfg.block_size if self.cfg.prefix_cache else 0,
             probe_id=msg.probe_id,
         )
+        seq.token_ids.extend(msg.resume_token_ids)
+        return seq
 
     async def _generate(self, msg: GenerateRequest, reply: Responder) -> None:
         arrived = time.perf_counter()
@@ -217,6 +222,9 @@ class LLMService:
             # NOTE: compiled here, before the sequence is submitted: the engine's steps never wait on it.
             try:
                 seq.matcher = await self.grammars.matcher(msg.sampling.grammar)
+                for token in msg.resume_token_ids:  # a moved generation: its grammar state so far
+                    if not seq.matcher.consume_token(token):
+                        raise GrammarError("the resumed tokens do not follow it")
             except GrammarError as exc:
                 if msg.probe_id:
                     self.engine.release_probe(msg.probe_id)

@@ -31,6 +31,13 @@ def validate(msg: GenerateRequest, spec: ModelSpec, lm: TextLM, max_model_len: i
             f"prompt has {num_tokens} tokens; the model's context is {max_model_len} tokens",
         )
     _check_sampling(msg, lm.vocab_size)
+    resumed = msg.resume_token_ids
+    if not isinstance(resumed, list) or not all(
+        isinstance(t, int) and 0 <= t < lm.vocab_size for t in resumed
+    ):
+        raise RequestError("bad_resume", f"resume_token_ids must be token ids in [0, {lm.vocab_size})")
+    if len(resumed) >= min(msg.sampling.max_tokens, max_model_len - num_tokens):
+        raise RequestError("bad_resume", "resume_token_ids leave no token to generate")
     num_chunks = _check_spans(msg.prompt_token_ids, msg.spans, spec)
     if len(msg.sources) != num_chunks or len(msg.handoff) != num_chunks:
         raise RequestError("bad_spans", f"need one encoder source and hand-off flag per chunk ({num_chunks})")

@@ -80,7 +80,7 @@ def init(cfg: ProcessorConfig) -> web.Application:
         source = MediaSource(cfg.allowed_dirs, cfg.max_media_bytes, http)
         app[STAGES] = stages
         app[PIPELINE] = Pipeline(cfg, source, pre, prompts)
-        app[DISPATCHER] = Dispatcher(stages, cfg.stage_timeout)
+        app[DISPATCHER] = Dispatcher(stages, cfg.stage_timeout, cfg.max_failovers)
         yield
         app[PIPELINE].close()
         await http.close()

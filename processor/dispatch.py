@@ -12,9 +12,10 @@ pixels we hold until the request ends: slower, never wrong.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from shared.rpc import RemoteError
 
 log = logging.getLogger(__name__)
 
+RETRY_PAUSE = 0.25  # seconds more before each further move (the first is at once)
+
 
 @dataclass(frozen=True, slots=True)
 class _Placed:
@@ -51,13 +54,23 @@ class _Placed:
 
 
 class Dispatcher:
-    def __init__(self, stages: StageClients, timeout: float):
+    def __init__(self, stages: StageClients, timeout: float, max_failovers: int = 3):
         self.stages = stages
         self.timeout = timeout
+        self.max_failovers = max_failovers  # per request: LLM moves, and encoder rounds, each
         self.repairs: Counter[str] = Counter()  # NeedEncode answered, by the LLM stage's cause
+        self.num_llm_retries = 0  # a request sent again, from the start, after its LLM replica died
+        self.num_llm_migrations = 0  # a generation moved mid-answer, with its tokens so far
+        self.num_encoder_retries = 0  # encoding sent again to new owners after an encoder died
+        self.num_failover_exhausted = 0  # requests that ended because every move failed
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {"repairs": {cause: self.repairs[cause] for cause in ("missing", "unreachable")}}
+    def stats(self) -> dict[str, float | dict[str, int]]:
+        return {
+            "repairs": {cause: self.repairs[cause] for cause in ("missing", "unreachable")},
+            "failover_retries": {"llm": self.num_llm_retries, "encoder": self.num_encoder_retries},
+            "failover_migrations": self.num_llm_migrations,
+            "failover_exhausted": self.num_failover_exhausted,
+        }
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:
         # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
@@ -72,17 +85,61 @@ class Dispatcher:
     ) -> AsyncIterator[GenerateChunk]:
         """Stream the chosen LLM replica's replies for choice ``index`` (``stream``: every step's
         tokens as they come, even when the client waits for the whole answer); leaving early
-        aborts the generation."""
+        aborts the generation.
+
+        NOTE: when the replica dies (its connection drops), the request goes to another one, at
+        most ``max_failovers`` times: sent again if nothing came yet, else moved with the tokens
+        so far (``resume_token_ids``), so the caller sees each token once, in order.
+        """
         ids = torch.tensor(prepared.token_ids, dtype=torch.int32)
         probe = ProbeRequest(ids, prepared.spans, prepared.salt)
-        route = await self._guard(self.stages.route(probe, self.timeout))
+        emitted: list[int] = []  # tokens the caller has had
+        moves = 0
+        while True:
+            try:
+                # NOTE: aclosing: a caller that stops early aborts the generation at once.
+                async with contextlib.aclosing(self._attempt(prepared, probe, index, stream, emitted)) as it:
+                    async for reply in it:
+                        emitted.extend(reply.token_ids)
+                        yield reply
+                return
+            except _ReplicaGone as gone:
+                if moves >= self.max_failovers:
+                    self.num_failover_exhausted += 1
+                    raise APIError(
+                        503,
+                        f"no LLM replica could finish the request after {moves} move(s): {gone}",
+                        "stage_unavailable",
+                    ) from gone
+                moves += 1
+                if emitted:
+                    self.num_llm_migrations += 1
+                else:
+                    self.num_llm_retries += 1
+                log.warning(
+                    "LLM replica lost (%s): moving the request (%d tokens so far)", gone, len(emitted)
+                )
+                await asyncio.sleep(RETRY_PAUSE * (moves - 1))  # NOTE: none before the first move
+
+    async def _attempt(
+        self, prepared: Prepared, probe: ProbeRequest, index: int, stream: bool, resume: list[int]
+    ) -> AsyncIterator[GenerateChunk]:
+        """One try at one LLM replica; raises :class:`_ReplicaGone` if it dies before the end."""
+        try:
+            route = await self.stages.route(probe, self.timeout)
+        except (ConnectionError, RemoteError) as exc:
+            if _gone(exc):
+                raise _ReplicaGone(str(exc)) from exc
+            raise as_api_error(exc) from exc
+        except TimeoutError as exc:
+            raise APIError(504, "no LLM replica answered the probe in time", "stage_timeout") from exc
         sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len, index)
-        placed = self._placed(prepared)
-        needed = [p for p in placed if p.end > route.probe.cached_tokens]
+        placed, needed = await self._guard(
+            self._encoded(prepared, lambda p: p.end > route.probe.cached_tokens)
+        )
         prepared.report.prefix_skipped = len(placed) - len(needed)
-        await self._guard(self._ensure_encoded(prepared, needed))
         request = GenerateRequest(
-            prompt_token_ids=ids,
+            prompt_token_ids=probe.prompt_token_ids,
             spans=prepared.spans,
             sources=[p.source for p in placed],
             handoff=_flags(placed, needed),
@@ -91,6 +148,7 @@ class Dispatcher:
             probe_id=route.probe.probe_id,
             # Tokens are needed as they come only to stream them or to watch for stop strings.
             stream=stream or prepared.req.stream or bool(prepared.req.stop),
+            resume_token_ids=list(resume),
         )
         try:
             async with route.client.stream(request, timeout=self.timeout) as replies:
@@ -99,8 +157,13 @@ class Dispatcher:
                         await self._repair(prepared, route, replies.rid, reply)
                     else:
                         yield reply
-        except RemoteError as exc:
-            raise as_api_error(exc) from exc
+        except (ConnectionError, RemoteError) as exc:
+            if _gone(exc):
+                self.stages.llm_set.suspect(route.client.address)
+                raise _ReplicaGone(str(exc)) from exc
+            if isinstance(exc, RemoteError):
+                raise as_api_error(exc) from exc
+            raise APIError(503, str(exc), "stage_unavailable") from exc
         except TimeoutError as exc:
             raise APIError(504, "the LLM stage did not answer in time", "stage_timeout") from exc
 
@@ -110,11 +173,32 @@ class Dispatcher:
         and tell it to go on. The LLM stage bounds how often one request may ask."""
         log.info("repairing %d chunk(s) for a live request (%s)", len(need.keys), need.cause)
         self.repairs[need.cause] += 1
-        placed = self._placed(prepared)  # NOTE: owners are chosen again: an encoder may have gone
         missing = set(need.keys)
-        await self._guard(self._ensure_encoded(prepared, [p for p in placed if p.chunk.key in missing]))
+        # NOTE: owners are chosen again: an encoder may have gone
+        placed, _ = await self._guard(self._encoded(prepared, lambda p: p.chunk.key in missing))
         sources = [p.source for p in placed]
         await route.client.notify(Reencoded(rid, list(missing), sources))
+
+    async def _encoded(
+        self, prepared: Prepared, wanted: Callable[[_Placed], bool]
+    ) -> tuple[list[_Placed], list[_Placed]]:
+        """Every chunk placed at its owner, the ``wanted`` ones there for sure: (placed, wanted).
+        An owner that dies meanwhile is left out and its chunks go to the next owners, from the
+        pixels this request holds (at most ``max_failovers`` rounds)."""
+        for round_ in range(self.max_failovers + 1):
+            placed = self._placed(prepared)
+            needed = [p for p in placed if wanted(p)]
+            try:
+                await self._ensure_encoded(prepared, needed)
+                return placed, needed
+            except (ConnectionError, RemoteError) as exc:
+                if not _gone(exc) or round_ == self.max_failovers:
+                    raise
+                self.num_encoder_retries += 1
+                self.stages.encoder_set.suspect()
+                log.warning("encoder replica lost (%s): encoding at the next owners", exc)
+                await asyncio.sleep(RETRY_PAUSE * round_)
+        raise AssertionError("unreachable")
 
     async def _ensure_encoded(self, prepared: Prepared, needed: list[_Placed]) -> None:
         """Lookup at each owning encoder (pins what it has), then encode what it lacks."""
@@ -124,7 +208,15 @@ class Dispatcher:
 
         async def one(source: str, group: list[_Placed]) -> None:
             keys = list(dict.fromkeys(p.chunk.key for p in group))
-            reply = await self.stages.encoders[source].call(LookupRequest(keys), timeout=self.timeout)
+            timeout = self.stages.encoder_timeout(source, self.timeout)
+            try:
+                reply = await asyncio.wait_for(
+                    self.stages.encoders[source].call(LookupRequest(keys), timeout=timeout), timeout
+                )
+            except TimeoutError as exc:
+                if timeout < self.timeout:  # a replica out of the heartbeat: gone, not slow
+                    raise ConnectionError(f"encoder replica {source} does not answer") from exc
+                raise
             missing = set(reply.missing)
             prepared.report.encoder_hits += len(keys) - len(missing)
             prepared.report.encoder_misses += len(missing)
@@ -154,6 +246,17 @@ class Dispatcher:
             raise APIError(504, "a stage did not answer in time", "stage_timeout") from exc
         except ConnectionError as exc:
             raise APIError(503, str(exc), "stage_unavailable") from exc
+
+
+class _ReplicaGone(Exception):
+    """The LLM replica serving a try died (or none could be reached): try another."""
+
+
+def _gone(exc: Exception) -> bool:
+    """Does ``exc`` say the replica is gone (not that the request is bad)?"""
+    if isinstance(exc, RemoteError):
+        return exc.reply.code == "stage_unavailable"
+    return isinstance(exc, ConnectionError)
 
 
 def _flags(placed: list[_Placed], needed: list[_Placed]) -> list[bool]:

@@ -84,6 +84,22 @@ class ProcessorMetrics:
             "repairs": Counter(
                 "mmcache_processor_repairs", "media encoded again, by cause", ["cause"], registry=r
             ),
+            "failover_retries": Counter(
+                "mmcache_processor_failover_retries",
+                "work sent again after a replica died, by stage",
+                ["stage"],
+                registry=r,
+            ),
+            "failover_migrations": Counter(
+                "mmcache_processor_failover_migrations",
+                "generations moved to another LLM replica mid-answer, with their tokens so far",
+                registry=r,
+            ),
+            "failover_exhausted": Counter(
+                "mmcache_processor_failover_exhausted",
+                "requests that ended because every failover was used up",
+                registry=r,
+            ),
             "cache_bytes": Gauge(
                 "mmcache_processor_cache_bytes", "bytes held by the cache", registry=r, multiprocess_mode=_SUM
             ),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import zmq
 
 from shared.block_hash import block_hashes, root_hash
-from shared.discovery import Replica, ReplicaSet, Resolver, dns_resolve
+from shared.discovery import PING_TIMEOUT, Replica, ReplicaSet, Resolver, dns_resolve
 from shared.keys import Fingerprint
 from shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
 from shared.routing import weight
@@ -84,6 +84,12 @@ class StageClients:
         self.start()
         return self.encoder_set.owner(chunk_key).address
 
+    def encoder_timeout(self, address: str, timeout: float) -> float:
+        """``timeout``, or a ping's for an encoder not answering the heartbeat (routed to only
+        when none does): a request to a tier that is all gone ends soon."""
+        replica = self.encoder_set.get(address)
+        return timeout if replica is not None and replica.alive else min(timeout, PING_TIMEOUT)
+
     async def kv_identity(self, timeout: float) -> tuple[bytes, int] | None:
         """(model fingerprint, block size) of the LLM replicas, learned once from a Pong."""
         if self._kv_identity is None:
@@ -116,7 +122,7 @@ class StageClients:
         if not chosen:
             raise ConnectionError("no LLM replica found")
         replies = await asyncio.gather(
-            *(r.client.call(probe, timeout=timeout) for r in chosen), return_exceptions=True
+            *(self._probe(r, probe, timeout) for r in chosen), return_exceptions=True
         )
         live: list[tuple[Replica, ProbeReply]] = []
         for replica, reply in zip(chosen, replies, strict=True):
@@ -136,6 +142,18 @@ class StageClients:
             if other is not best and other_reply.probe_id:
                 await other.client.notify(ReleaseProbe(other_reply.probe_id))
         return Route(best.client, reply)
+
+    async def _probe(self, replica: Replica, probe: ProbeRequest, timeout: float) -> ProbeReply:
+        """A probe; one to a replica not answering the heartbeat (routed to only when none does)
+        waits no longer than a ping, so a request to a tier that is all gone ends soon."""
+        if replica.alive:
+            return await replica.client.call(probe, timeout=timeout)
+        wait = min(timeout, PING_TIMEOUT)
+        try:
+            # NOTE: wait_for bounds the send too (a DEALER with no peer yet queues it).
+            return await asyncio.wait_for(replica.client.call(probe, timeout=wait), wait)
+        except TimeoutError as exc:
+            raise ConnectionError(f"LLM replica {replica.address} does not answer") from exc
 
     async def health(self, timeout: float = 2.0) -> tuple[list[Health], list[Health]]:
         """Ping every replica known now (the results feed discovery too)."""

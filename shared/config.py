@@ -153,7 +153,7 @@ class LLMConfig:
     max_num_seqs: int = opt(64, "most sequences decoded together")
     max_num_batched_tokens: int = opt(2048, "most tokens in one engine step (longer prefills are chunked)")
     kv_cache_gb: float = opt(
-        0.0, "memory for the paged KV cache, GiB (0 = auto: 90% of free device memory on CUDA, 0.5 on CPU)"
+        0.0, "memory for the paged KV cache, GiB (0 = auto: 9/10 of free device memory on CUDA, 0.5 on CPU)"
     )
     block_size: int = opt(16, "tokens per KV block (and per prefix-cache hash)")
     num_kv_blocks: int = opt(0, "KV blocks in the pool (0 = as many as --kv-cache-gb holds)")
@@ -215,6 +215,9 @@ class ProcessorConfig:
     max_request_bytes: int = opt(128 << 20, "largest HTTP request body in bytes")
     stage_timeout: float = opt(120.0, "seconds to wait for a stage reply before failing the request")
     max_concurrent_requests: int = opt(1024, "most requests in progress; more are refused with 503")
+    max_failovers: int = opt(
+        3, "times one request may move to another LLM replica (and re-place its encoding) when one dies"
+    )
     workers: int = opt(1, "processor processes on the one HTTP port (SO_REUSEPORT), each with its own caches")
     torch_threads: int = opt(0, "torch intra-op CPU threads for resizing (0 = torch's default)")
     processor_cache_gb: float = opt(-1.0, "processor (pixel + layout) cache size, GiB; 0 disables; -1 = auto")
@@ -246,6 +249,7 @@ class ProcessorConfig:
         if self.port > 65535:
             raise ValueError(f"--port must be at most 65535, got {self.port}")
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
+        _positive("max_failovers", self.max_failovers, allow_zero=True)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
         if not split_list(self.encoder) or not split_list(self.llm):
             raise ValueError("--encoder and --llm need at least one address each")

@@ -208,8 +208,20 @@ class ReplicaSet:
                 self._add(address)
 
     def _add(self, address: str) -> Replica:
-        replica = self.replicas[address] = Replica(address, RpcClient(self._ctx, address, self.stage))
+        replica = self.replicas[address] = Replica(address, self._client(address))
         return replica
+
+    def _client(self, address: str) -> RpcClient:
+        return RpcClient(self._ctx, address, self.stage, on_lost=lambda: self._lost(address))
+
+    def _lost(self, address: str) -> None:
+        """The connection to a replica dropped (it died, or the network between us): out of
+        routing now, not after the missed heartbeats; a Pong takes it back."""
+        replica = self.replicas.get(address)
+        if replica is not None and replica.alive:
+            log.warning("%s replica %s lost its connection: dropped", self.stage, address)
+            replica.misses = MAX_MISSES
+        self.suspect(address)
 
     async def ping_all(self, timeout: float | None = None) -> None:
         await asyncio.gather(*(self.ping(r, timeout) for r in list(self.replicas.values())))
@@ -236,7 +248,7 @@ class ReplicaSet:
         if replica.misses >= MAX_MISSES and self.replicas.get(replica.address) is replica:
             # A fresh socket: a dead peer's socket would hold every ping sent to it meanwhile.
             replica.client.close()
-            replica.client = RpcClient(self._ctx, replica.address, self.stage)
+            replica.client = self._client(replica.address)
         return error
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.messages import Abort, ErrorReply
 from shared.wire import decode, encode, peek_rid
@@ -180,16 +181,69 @@ class RemoteError(RuntimeError):
         self.reply = reply
 
 
-class RpcClient:
-    """One DEALER socket to one server address."""
+_monitors = itertools.count()  # names of the clients' monitor sockets
 
-    def __init__(self, ctx: zmq.Context, address: str, name: str = "rpc"):
+
+class RpcClient:
+    """One DEALER socket to one server address.
+
+    The socket is watched (a ZeroMQ monitor): when its connection drops (the server died: on
+    loopback or a LAN the kernel closes the TCP connection at once), every call and stream still
+    waiting ends with a 503 ``stage_unavailable`` there and then, ``on_lost`` is told, and new
+    calls fail fast with ``ConnectionError`` until the connection is back (ZeroMQ reconnects by
+    itself), instead of each waiting for its timeout.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        name: str = "rpc",
+        on_lost: Callable[[], None] | None = None,
+    ):
         self.address = address
         self._name = name
         self._sock = _Socket(ctx, zmq.DEALER, on_message=self._on_reply)
+        # NOTE: a plain socket whatever the context's class (as _Socket's), read without blocking.
+        where = f"inproc://rpc-monitor-{next(_monitors)}"
+        self._sock.sock.monitor(where, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # NOTE: made through the context, so ``ctx.destroy`` closes it even if nobody else does
+        # (a socket the context does not know would keep ``term`` waiting forever).
+        self._monitor: zmq.Socket | None = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        self._monitor.connect(where)
+        self._watched: asyncio.AbstractEventLoop | None = None
+        self._on_lost = on_lost
+        self.lost = False  # the connection dropped and is not back yet
         self._sock.sock.connect(address)
         self._ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue | asyncio.Future] = {}
+
+    def _watch(self) -> None:
+        if self._watched is None and self._monitor is not None:
+            self._watched = asyncio.get_running_loop()
+            self._watched.add_reader(self._monitor.FD, self._on_monitor)
+            self._watched.call_soon(self._on_monitor)  # events may predate the watch
+
+    def _on_monitor(self) -> None:
+        # NOTE: like the data socket's, the monitor's descriptor is edge-triggered: drain it all.
+        while self._monitor is not None and self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.lost = False
+            elif event == zmq.EVENT_DISCONNECTED and not self.lost:
+                self.lost = True
+                log.info("%s: connection to %s lost", self._name, self.address)
+                self._fail_waiting("lost its connection")
+                if self._on_lost is not None:
+                    self._on_lost()
+
+    def _fail_waiting(self, why: str) -> None:
+        gone = ErrorReply("stage_unavailable", f"{self._name} replica {self.address} {why}", 503)
+        for waiter in self._queues.values():
+            if isinstance(waiter, asyncio.Queue):
+                waiter.put_nowait((gone, {"final": True}))
+            elif not waiter.done():
+                waiter.set_result((gone, {"final": True}))
 
     def _on_reply(self, frames: list[Any]) -> None:
         """Hand a reply to the call or stream waiting for its request id (runs in the loop)."""
@@ -207,6 +261,9 @@ class RpcClient:
             waiter.set_result((msg, env))
 
     async def _send(self, rid: int, msg: Any) -> None:
+        self._watch()
+        if self.lost:
+            raise ConnectionError(f"{self._name} replica {self.address} is unreachable")
         await self._sock.send(encode(msg, {"rid": rid}))
 
     async def call(self, msg: Any, timeout: float | None = None) -> Any:
@@ -245,13 +302,15 @@ class RpcClient:
     def close(self) -> None:
         """Close the socket; calls and streams still waiting end with a 503 (the replica is gone
         to this client), not at their timeout."""
+        if self._monitor is not None:
+            if self._watched is not None and not self._watched.is_closed():
+                self._watched.remove_reader(self._monitor.FD)
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sock.close(linger=0)
-        gone = ErrorReply("stage_unavailable", f"{self._name} replica {self.address} is gone", 503)
-        for waiter in self._queues.values():
-            if isinstance(waiter, asyncio.Queue):
-                waiter.put_nowait((gone, {"final": True}))
-            elif not waiter.done():
-                waiter.set_result((gone, {"final": True}))
+        self._fail_waiting("is gone")
 
 
 class _Stream:
@@ -265,7 +324,11 @@ class _Stream:
 
     async def __aenter__(self) -> _Stream:
         self._client._queues[self.rid] = self._queue
-        await self._client._send(self.rid, self._msg)
+        try:
+            await self._client._send(self.rid, self._msg)
+        except BaseException:
+            self._client._queues.pop(self.rid, None)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

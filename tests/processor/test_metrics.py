@@ -31,7 +31,8 @@ WORKER = textwrap.dedent(
     m.observe(record)
     stats = {
         "cache_hits": hits, "cache_misses": 1, "cache_evictions": 0, "decodes": 1, "file_reads": 0,
-        "bytes_fetched": {"data": 1000, "file": 0, "http": 0}, "repairs": {"need_encode": 0},
+        "bytes_fetched": {"data": 1000, "file": 0, "http": 0}, "repairs": {"missing": 0},
+        "failover_retries": {"llm": 0}, "failover_migrations": 0, "failover_exhausted": 0,
         "cache_bytes": 100, "cache_capacity_bytes": 1000, "cache_entries": 1,
     }
     m.sync(stats)
@@ -81,7 +82,10 @@ STATS = {
     "decodes": 1,
     "file_reads": 0,
     "bytes_fetched": {"data": 10},
-    "repairs": {"need_encode": 1},
+    "repairs": {"missing": 1},
+    "failover_retries": {"llm": 0, "encoder": 0},
+    "failover_migrations": 0,
+    "failover_exhausted": 0,
     "cache_bytes": 5,
     "cache_capacity_bytes": 50,
     "cache_entries": 1,
@@ -91,10 +95,10 @@ STATS = {
 def test_sync_advances_counters_by_the_difference_only():
     m = ProcessorMetrics()
     m.sync(STATS)
-    m.sync({**STATS, "cache_hits": 7, "repairs": {"need_encode": 3}})
+    m.sync({**STATS, "cache_hits": 7, "repairs": {"missing": 3}})
     s = Samples.parse(m.render().decode())
     assert s.total("mmcache_processor_cache_hits_total") == 7
-    assert s.total("mmcache_processor_repairs_total", cause="need_encode") == 3
+    assert s.total("mmcache_processor_repairs_total", cause="missing") == 3
     assert s.total("mmcache_processor_cache_capacity_bytes") == 50
 
 

@@ -1,0 +1,15 @@
+"""Every subcommand's --help renders (argparse formats each flag's help text)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmcache.cli import _parser
+
+
+@pytest.mark.parametrize("command", ["serve", "processor", "encoder", "llm", "bench", "make-tiny-model"])
+def test_help_renders(command: str, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    assert "--" in capsys.readouterr().out
