@@ -130,6 +130,8 @@ async def health(request: web.Request) -> web.Response:
                 "ok": h.pong is not None,
                 "error": h.error,
                 "load": h.pong.load if h.pong else None,
+                "id": h.pong.id if h.pong else None,
+                "counters": h.pong.info if h.pong else None,  # as of its last answer (for people)
                 "metrics_url": metrics_url(h.address, h.pong.info.get("metrics_port")) if h.pong else None,
             }
             for kind, h in stages

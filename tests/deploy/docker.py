@@ -76,22 +76,21 @@ def wait_for(what: str, cond, timeout: float, every: float = 1.0):
 
 
 def replica_metrics(base: str) -> dict[str, dict[str, float]]:
-    """{"encoder_chunks_encoded": {address: value}, ...} from the processor's /metrics."""
-    status, text = get(base + "/metrics")
-    assert status == 200, text
+    """{"encoder_chunks_encoded": {address: value}, ...}: each live replica's counters as the
+    processor's ``/health`` lists them (the replicas' own metrics ports are not published)."""
+    status, body = get(base + "/health")
     out: dict[str, dict[str, float]] = {}
-    for line in str(text).splitlines():
-        if "{" not in line:
-            continue
-        name, rest = line.split("{", 1)
-        label, value = rest.rsplit(" ", 1)
-        address = label.split('"')[1]
-        out.setdefault(name.removeprefix("mmcache_"), {})[address] = float(value)
+    for replica in body["stages"]:
+        for name, value in (replica["counters"] or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out.setdefault(f"{replica['stage']}_{name}", {})[replica["address"]] = float(value)
     return out
 
 
 def up_replicas(base: str, stage: str) -> set[str]:
-    return {a for a, v in replica_metrics(base).get(f"{stage}_up", {}).items() if v == 1}
+    """Addresses of the ``stage`` replicas the processor reaches."""
+    _, body = get(base + "/health")
+    return {r["address"] for r in body["stages"] if r["stage"] == stage and r["ok"]}
 
 
 def chat(model: str, content: list[dict], system: str) -> dict:
