@@ -78,7 +78,7 @@ def wait_for(what: str, cond, timeout: float, every: float = 1.0):
 def replica_metrics(base: str) -> dict[str, dict[str, float]]:
     """{"encoder_chunks_encoded": {address: value}, ...}: each live replica's counters as the
     processor's ``/health`` lists them (the replicas' own metrics ports are not published)."""
-    status, body = get(base + "/health")
+    _, body = get(base + "/health")
     out: dict[str, dict[str, float]] = {}
     for replica in body["stages"]:
         for name, value in (replica["counters"] or {}).items():
