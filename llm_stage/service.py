@@ -8,9 +8,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -18,7 +16,9 @@ import zmq
 from llm_stage.engine import Engine
 from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.kv_cache import KVCache
-from llm_stage.media_fetch import ChunkRef, MediaFetcher, chunk_refs
+from llm_stage.live import LiveRequest
+from llm_stage.media_fetch import MediaFetcher, chunk_refs
+from llm_stage.media_rows import RowSupply
 from llm_stage.metrics import LLMMetrics
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import SeqStatus, Sequence
@@ -32,13 +32,11 @@ from shared.messages import (
     GenerateChunk,
     GenerateRequest,
     MediaSpan,
-    NeedEncode,
     Ping,
     Pong,
     ProbeReply,
     ProbeRequest,
     Reencoded,
-    ReleaseHandoff,
     ReleaseProbe,
     TokenLogprobs,
 )
@@ -51,21 +49,6 @@ log = logging.getLogger(__name__)
 IDLE_POLL_SECONDS = 0.05  # how long a step that could run nothing waits for news before trying again
 
 
-@dataclass(slots=True, eq=False)
-class _Live:
-    """A generate request the stage is serving."""
-
-    seq: Sequence
-    reply: Responder
-    refs: list[ChunkRef]
-    pinned: set[bytes]  # chunks this request holds a hand-off pin for at their encoders
-    queue: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
-    tasks: set[asyncio.Task] = field(default_factory=set)
-    repairs: int = 0
-    reencoded: asyncio.Future[Reencoded] | None = None  # while the processor re-encodes for it
-    failure: ErrorReply | None = None  # why it ended with an error, when that was not the engine
-
-
 class LLMService:
     def __init__(self, cfg: LLMConfig, engine: Engine, fetcher: MediaFetcher):
         self.cfg = cfg
@@ -74,16 +57,16 @@ class LLMService:
         self.spec = engine.spec
         self.grammars = GrammarCache(self.spec.path, engine.lm.vocab_size, list(self.spec.eos_token_ids))
         self._ids = itertools.count(1)
-        self._live: dict[int, _Live] = {}  # seq id → request
-        self._by_request: dict[tuple[bytes, int], _Live] = {}  # (peer, request id) → request
+        self._live: dict[int, LiveRequest] = {}  # seq id → request
+        self._by_request: dict[tuple[bytes, int], LiveRequest] = {}  # (peer, request id) → request
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        self.repairs: Counter[str] = Counter()  # mid-request repairs, by cause (any chunk unreachable)
         self._block_bytes = KVCache.bytes_per_block(engine.lm, cfg.block_size, engine.dtype)
         self.metrics = LLMMetrics(self.stats)
         self.metrics_server: MetricsServer | None = None
+        self.rows = RowSupply(cfg, engine, fetcher, self.metrics, self._spawn, self._wakeup)
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -147,7 +130,7 @@ class LLMService:
             "max_model_len": self.engine.max_model_len,
             "prefix_cache": int(self.cfg.prefix_cache),
             **self.stats(),
-            **{f"repairs_{cause}": n for cause, n in sorted(self.repairs.items())},
+            **{f"repairs_{cause}": n for cause, n in sorted(self.rows.repairs.items())},
         }
         if self.metrics_server is not None and self.metrics_server.port is not None:
             info["metrics_port"] = self.metrics_server.port
@@ -231,7 +214,7 @@ class LLMService:
                 await reply.send(ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400))
                 return
         pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
-        live = _Live(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
+        live = LiveRequest(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
         key = (reply.identity, reply.rid)
         self._live[seq.seq_id] = live
         self._by_request[key] = live
@@ -251,9 +234,9 @@ class LLMService:
                 self.engine.cancel(seq)
                 self._wakeup.set()
             if live.pinned:
-                self._release_pins(live, list(live.pinned))
+                self.rows.release_pins(live, list(live.pinned))
 
-    async def _stream(self, live: _Live, stream: bool) -> None:
+    async def _stream(self, live: LiveRequest, stream: bool) -> None:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs] = []
         prompt: list[TokenLogprobs | None] | None = None
@@ -278,86 +261,6 @@ class LLMService:
             if last.finish_reason is not None:
                 return
             tokens, logprobs, prompt = [], [], None
-
-    # --- media rows -----------------------------------------------------------------------
-
-    def _admitted(self, seq: Sequence) -> None:
-        """``seq``'s cached prefix is known: chunks wholly inside it need no rows, let their pins go."""
-        live = self._live.get(seq.seq_id)
-        if live is None:
-            return
-        skipped = [r for r in live.refs if r.end <= seq.num_cached_tokens]
-        self.fetcher.stats.chunks_skipped += len(skipped)
-        self._release_pins(live, [r.key for r in skipped if r.key in live.pinned])
-
-    def _release_pins(self, live: _Live, keys: list[bytes]) -> None:
-        by_source: dict[str, list[bytes]] = {}
-        for r in live.refs:
-            if r.key in keys and r.key in live.pinned:
-                by_source.setdefault(r.source, []).append(r.key)
-        live.pinned.difference_update(keys)
-        for source, group in by_source.items():
-            self._spawn(self.fetcher.client(source).notify(ReleaseHandoff(list(dict.fromkeys(group)))))
-
-    async def _fetch(self, live: _Live, ranges: list[tuple[int, int]]) -> None:
-        """Fetch the rows ``live`` lacks; rows gone at their encoders are re-encoded by the
-        processor on the live request (a repair), at most ``--max-repairs`` times."""
-        seq, rows, todo = live.seq, [], ranges
-        started = time.perf_counter()
-        try:
-            while True:
-                result = await self.fetcher.fetch(live.refs, todo, live.pinned)
-                rows += result.rows
-                if not result.lost:
-                    break
-                if not await self._repair(live, result.lost):
-                    return
-                todo = [
-                    (max(lo, r.start), min(hi, r.end))
-                    for lo, hi in ranges
-                    for r in live.refs
-                    if r.key in result.lost and r.end > lo and r.start < hi
-                ]
-            self.metrics.fetched(time.perf_counter() - started)
-            self.engine.add_rows(seq, rows)
-        except Exception as exc:
-            log.exception("fetching media rows for sequence %d failed", seq.seq_id)
-            live.failure = ErrorReply("media_unavailable", f"media rows could not be fetched: {exc}", 503)
-            self.engine.fail(seq, str(exc))
-        finally:
-            self._wakeup.set()
-
-    async def _repair(self, live: _Live, lost: dict[bytes, str]) -> bool:
-        """Ask the processor to encode ``lost`` chunks again and wait for it; False if it ended."""
-        causes = Counter(lost.values())
-        if live.repairs >= self.cfg.max_repairs:
-            message = f"{len(lost)} chunk(s) kept vanishing from their encoders ({dict(causes)})"
-            live.failure = ErrorReply("encoder_churn", message + "; retry later", 503)
-            self.engine.fail(live.seq, message)
-            return False
-        live.repairs += 1
-        cause = "unreachable" if "unreachable" in causes else "missing"
-        self.repairs[cause] += 1
-        self.metrics.repairs.labels(cause).inc()
-        log.info("sequence %d: re-encoding %d chunk(s) (%s)", live.seq.seq_id, len(lost), dict(causes))
-        live.reencoded = asyncio.get_running_loop().create_future()
-        try:
-            await live.reply.send(NeedEncode(list(lost), cause), final=False)
-            async with asyncio.timeout(self.cfg.repair_timeout):
-                done = await live.reencoded
-        except TimeoutError:
-            message = f"the processor did not re-encode {len(lost)} chunk(s) in {self.cfg.repair_timeout:g} s"
-            live.failure = ErrorReply("repair_timeout", message, 503)
-            self.engine.fail(live.seq, message)
-            return False
-        finally:
-            live.reencoded = None
-        if len(done.sources) == len(live.refs):
-            live.refs = [
-                dataclasses.replace(r, source=s) for r, s in zip(live.refs, done.sources, strict=True)
-            ]
-        live.pinned.update(done.keys)
-        return True
 
     # --- the engine loop ----------------------------------------------------------------
 
@@ -387,11 +290,12 @@ class LLMService:
                 if live is not None:
                     live.queue.put_nowait(out)
             for seq in result.admitted:
-                self._admitted(seq)
+                if (live := self._live.get(seq.seq_id)) is not None:
+                    self.rows.admitted(live)
             for wanted in result.fetches:
                 live = self._live.get(wanted.seq.seq_id)
                 if live is not None:
-                    live.tasks.add(task := self._spawn(self._fetch(live, wanted.ranges)))
+                    live.tasks.add(task := self._spawn(self.rows.fetch(live, wanted.ranges)))
                     task.add_done_callback(live.tasks.discard)
                 else:  # its caller is gone: the engine must not wait for rows nobody fetches
                     self.engine.fail(wanted.seq, "the request's caller is gone")

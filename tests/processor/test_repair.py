@@ -119,7 +119,7 @@ async def test_entry_evicted_between_lookup_and_fetch_is_repaired(tiny_model, tm
         assert report.encoder_hits == 1  # the lookup found it ...
         assert report.encoder_misses == 1  # ... the fetch did not: one repair encode
         assert encoder.batcher.stats.forwards == forwards + 1
-        assert dict(llm.repairs) == {"missing": 1}  # asked for on the live request, once
+        assert dict(llm.rows.repairs) == {"missing": 1}  # asked for on the live request, once
         assert dispatcher.repairs == {"missing": 1}
         encoder.forget = False
         fresh, _ = await answer(pipeline, dispatcher, body(img, "second one"))
