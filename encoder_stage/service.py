@@ -32,7 +32,7 @@ from shared.messages import (
 )
 from shared.metrics import MetricsServer
 from shared.rpc import Responder
-from shared.service import replica_id, run_stage
+from shared.service import replica_id, run_stage, with_metrics_server
 from shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -187,14 +187,6 @@ def run(cfg: EncoderConfig) -> None:
 
     async def make(ctx: zmq.Context):
         service = EncoderService(cfg, VisionTower(spec, cfg.device, cfg.dtype))
-        metrics = service.metrics_server = await MetricsServer.start(
-            service.metrics.registry, cfg.metrics_port
-        )
-
-        async def close() -> None:
-            service.close()
-            await metrics.close()
-
-        return service.handle, service.quick, close
+        return await with_metrics_server(service, cfg.metrics_port)
 
     run_stage("encoder", cfg.bind, cfg.torch_threads, make, cfg.log_format)

@@ -42,7 +42,7 @@ from shared.messages import (
 )
 from shared.metrics import MetricsServer
 from shared.rpc import Responder
-from shared.service import replica_id, run_stage
+from shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -330,15 +330,6 @@ def run(cfg: LLMConfig) -> None:
     async def make(ctx: zmq.Context):
         engine = Engine(cfg, spec)
         fetcher = MediaFetcher(ctx, cfg.fetch_timeout, engine.lm.config.hidden_size, spec.feature_sets)
-        service = LLMService(cfg, engine, fetcher)
-        metrics = service.metrics_server = await MetricsServer.start(
-            service.metrics.registry, cfg.metrics_port
-        )
-
-        async def close() -> None:
-            service.close()
-            await metrics.close()
-
-        return service.handle, service.quick, close
+        return await with_metrics_server(LLMService(cfg, engine, fetcher), cfg.metrics_port)
 
     run_stage("llm", cfg.bind, cfg.torch_threads, make, cfg.log_format)

@@ -9,12 +9,13 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import zmq
 
 from shared.logs import setup_logging
-from shared.metrics import setup_metrics
-from shared.rpc import Handler, QuickHandler, RpcServer
+from shared.metrics import MetricsServer, setup_metrics
+from shared.rpc import Handler, QuickHandler, Responder, RpcServer
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,31 @@ async def serve(
     if closed is not None:
         await closed
     ctx.destroy(linger=0)
+
+
+class StageService(Protocol):
+    """What :func:`with_metrics_server` needs of a stage's service."""
+
+    metrics: Any  # its prometheus families, in ``metrics.registry``
+    metrics_server: MetricsServer | None  # read by its Pong, which reports the port
+
+    async def handle(self, msg: Any, reply: Responder) -> None: ...
+
+    def quick(self, msg: Any, reply: Responder) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+async def with_metrics_server(service: StageService, port: int) -> tuple[Handler, QuickHandler, Closer]:
+    """``service``'s handlers for :func:`serve`, its ``/metrics`` served on ``port`` meanwhile;
+    the close function closes the service, then that server."""
+    metrics = service.metrics_server = await MetricsServer.start(service.metrics.registry, port)
+
+    async def close() -> None:
+        service.close()
+        await metrics.close()
+
+    return service.handle, service.quick, close
 
 
 def run_stage(name: str, bind: str, torch_threads: int, make_handler, log_format: str = "text") -> None:
