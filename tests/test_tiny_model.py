@@ -17,13 +17,9 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-from mmcache.tiny_model import (
-    CHAT_TEMPLATE,
-    QWEN3_CHAT_TEMPLATE,
-    SPECIAL_TOKENS,
-    TINY_MODEL_ARCHS,
-    make_tiny_model,
-)
+from mmcache.tiny_families import CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE
+from mmcache.tiny_model import TINY_MODEL_ARCHS, make_tiny_model
+from mmcache.tiny_tokenizer import SPECIAL_TOKENS
 
 PROCESSOR_CLASS = {
     "qwen2-vl": "Qwen2VLProcessor",
