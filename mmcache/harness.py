@@ -32,9 +32,9 @@ def stage_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1", **extra}
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -5,31 +5,28 @@ prefix among them wins, and the probes not taken are released."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import torch
 import zmq.asyncio
 
+from mmcache.harness import free_port
 from processor.stages import MAX_PROBES, StageClients
 from shared.discovery import tcp_address
-from shared.messages import Ping, Pong, ProbeReply, ProbeRequest, ReleaseProbe
-from shared.rpc import RpcServer
+from shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
+from tests.fake_replica import FakeReplica
 
 FAST = {"resolve_every": 0.2, "heartbeat_every": 0.1, "ping_timeout": 0.5}
 
 
-class FakeLLM:
-    """A real ROUTER server answering Ping (with its id) and probes, recording what it was sent."""
+class FakeLLM(FakeReplica):
+    """An LLM replica answering Ping (with its id) and probes, recording what it was sent."""
 
     def __init__(self, ctx, ip: str, port: int, rid: str, cached: int = 0):
         self.id, self.cached, self.probes, self.released = rid, cached, 0, []
-        self.server = RpcServer(ctx, tcp_address(ip, port), self.handle, rid, self.quick)
-        self.task = asyncio.create_task(self.server.serve_forever())
+        super().__init__(ctx, tcp_address(ip, port), Pong("llm", "m", b"fp", block_size=16, id=rid), rid)
 
-    def quick(self, msg, reply) -> bool:
-        if isinstance(msg, Ping):
-            reply.send_nowait(Pong("llm", "m", b"fp", block_size=16, id=self.id))
-        elif isinstance(msg, ProbeRequest):
+    def answer(self, msg, reply) -> bool:
+        if isinstance(msg, ProbeRequest):
             self.probes += 1
             reply.send_nowait(ProbeReply(self.cached, probe_id=7, load=0, max_model_len=4096))
         elif isinstance(msg, ReleaseProbe):
@@ -38,23 +35,10 @@ class FakeLLM:
             return False
         return True
 
-    async def handle(self, msg, reply) -> None:
-        raise AssertionError(f"unexpected {msg}")
-
-    def close(self) -> None:
-        self.server.close()
-        self.task.cancel()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
-
 
 async def test_many_llm_replicas_get_a_bounded_stable_fan_out():
     ctx = zmq.asyncio.Context()
-    port = free_port()
+    port = free_port("127.0.0.2")
     ips = [f"127.0.0.{i}" for i in range(2, 9)]  # 7 replicas behind one name
     llms = {ip: FakeLLM(ctx, ip, port, f"llm-{ip}") for ip in ips}
 

@@ -13,38 +13,29 @@ import time
 import pytest
 import zmq.asyncio
 
+from mmcache import harness
 from shared.discovery import ReplicaSet, split_target, tcp_address
-from shared.messages import LookupReply, LookupRequest, Ping, Pong
+from shared.messages import LookupReply, LookupRequest, Pong
 from shared.routing import rendezvous
-from shared.rpc import RemoteError, RpcServer
+from shared.rpc import RemoteError
+from tests.fake_replica import FakeReplica
 
 FAST = {"resolve_every": 0.2, "heartbeat_every": 0.1, "ping_timeout": 0.5}
 
 
-class Replica:
-    """A real ROUTER server that answers Ping with its own id and records the keys it is asked."""
+class Replica(FakeReplica):
+    """An encoder replica that answers Ping with its own id and records the keys it is asked."""
 
     def __init__(self, ctx: zmq.asyncio.Context, ip: str, port: int, rid: str):
         self.ip, self.id, self.keys = ip, rid, []
-        self.server = RpcServer(ctx, tcp_address(ip, port), self.handle, rid, self.quick)
-        self.task = asyncio.create_task(self.server.serve_forever())
+        super().__init__(ctx, tcp_address(ip, port), Pong("encoder", "m", b"fp", id=rid), rid)
 
-    def quick(self, msg, reply) -> bool:
-        if isinstance(msg, Ping):
-            reply.send_nowait(Pong("encoder", "m", b"fp", id=self.id))
-        elif isinstance(msg, LookupRequest):
+    def answer(self, msg, reply) -> bool:
+        if isinstance(msg, LookupRequest):
             self.keys += msg.keys
             reply.send_nowait(LookupReply([]))
-        else:
-            return False
-        return True
-
-    async def handle(self, msg, reply) -> None:
-        raise AssertionError(f"unexpected {msg}")
-
-    def close(self) -> None:
-        self.server.close()
-        self.task.cancel()
+            return True
+        return False
 
 
 class Names:
@@ -63,9 +54,7 @@ class Names:
 
 def free_port() -> int:
     """A port free on 127.0.0.2 (the other loopback addresses very likely have it free too)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
+    return harness.free_port("127.0.0.2")
 
 
 async def until(cond, timeout: float = 10.0) -> None:

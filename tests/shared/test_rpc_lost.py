@@ -4,41 +4,25 @@ with a 503, the owner is told, new calls fail fast, and all is well again once i
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
 import zmq
 
+from mmcache.harness import free_port
 from shared.messages import Ping, Pong
-from shared.rpc import RemoteError, RpcClient, RpcServer
+from shared.rpc import RemoteError, RpcClient
+from tests.fake_replica import FakeReplica
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(FakeReplica):
     """Answers Ping; anything else is never answered (a long generation)."""
 
     def __init__(self, ctx: zmq.Context, address: str):
-        self.server = RpcServer(ctx, address, self.handle, "test", self.quick)
-        self.task = asyncio.create_task(self.server.serve_forever())
-
-    def quick(self, msg, reply) -> bool:
-        if isinstance(msg, Ping):
-            reply.send_nowait(Pong("llm", "m", b"fp"))
-            return True
-        return False
+        super().__init__(ctx, address, Pong("llm", "m", b"fp"))
 
     async def handle(self, msg, reply) -> None:
         await asyncio.sleep(3600)
-
-    def close(self) -> None:  # like a SIGKILL: the kernel closes the TCP connection
-        self.server.close()
-        self.task.cancel()
 
 
 async def test_a_closed_connection_ends_waiting_calls_at_once_and_fails_new_ones_fast():
