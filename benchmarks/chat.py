@@ -10,6 +10,7 @@ import aiohttp
 import numpy as np
 
 from benchmarks.common import Server, say
+from mmcache.loadgen.runner import sse_events
 
 MAX_TOKENS = 32
 
@@ -80,11 +81,7 @@ async def ttft(session: aiohttp.ClientSession, server: Server, payload: dict) ->
     async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        async for event in sse_events(resp):
             if "error" in event:
                 raise RuntimeError(f"stream error: {event}")
             if event.get("usage"):

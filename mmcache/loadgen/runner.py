@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -84,12 +85,16 @@ async def _one(session: aiohttp.ClientSession, url: str, payload: bytes, t0: flo
     return out, "".join(text)
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, text: list[str], t0: float) -> None:
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON events of a streamed chat completion, as they arrive (``[DONE]`` is not one)."""
     async for raw in resp.content:
         line = raw.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[6:])
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, text: list[str], t0: float) -> None:
+    async for event in sse_events(resp):
         if "error" in event:
             out.error = str(event["error"].get("message"))
             return
