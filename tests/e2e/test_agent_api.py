@@ -10,10 +10,9 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 from tests.e2e.util import metrics
 from tests.openai_schema import validate
 
@@ -77,15 +76,8 @@ TIME = {
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    srv = Server(tiny_model, "--allowed-origins", ORIGIN)
-    yield srv
-    assert srv.stop() == set()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
+    with serving(tiny_model, "--allowed-origins", ORIGIN) as srv:
+        yield srv
 
 
 def raw(server: Server, body: dict) -> dict:
@@ -301,11 +293,8 @@ def test_greedy_structured_answer_is_the_same_with_caches_off(server, tiny_model
     body = {"messages": QUESTION, "response_format": fmt, "temperature": 0, "max_tokens": 120}
     first, second = raw(server, body), raw(server, body)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the hit is real
-    off = Server(tiny_model, "--no-cache")
-    try:
+    with serving(tiny_model, "--no-cache") as off:
         cold = raw(off, body)
-    finally:
-        assert off.stop() == set()
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert first["choices"][0]["message"] == second["choices"][0]["message"] == cold["choices"][0]["message"]
 

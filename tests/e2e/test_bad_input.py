@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from tests import media
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +99,7 @@ def env(tiny_model, tmp_path_factory):
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
 
-    server = Server(
+    with serving(
         tiny_model,
         "--max-image-pixels",
         str(MAX_IMAGE_PIXELS),
@@ -108,11 +108,10 @@ def env(tiny_model, tmp_path_factory):
         "--max-model-len",
         str(MAX_MODEL_LEN),
         media_dir=allowed,
-    )
-    yield Env(server, allowed, outside, httpd.server_address[1], hits)
-    httpd.shutdown()
-    httpd.server_close()
-    assert server.stop() == set()
+    ) as server:
+        yield Env(server, allowed, outside, httpd.server_address[1], hits)
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def post_raw(server: Server, body: bytes, timeout: float = 60) -> tuple[int, dict]:

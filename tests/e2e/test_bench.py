@@ -9,14 +9,13 @@ import sys
 
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import serving
 
 pytestmark = pytest.mark.e2e
 
 
 def test_bench_compares_two_deployments(tiny_model, tmp_path):
-    cached, uncached = Server(tiny_model), Server(tiny_model, "--no-cache")
-    try:
+    with serving(tiny_model) as cached, serving(tiny_model, "--no-cache") as uncached:
         out = tmp_path / "result"
         done = subprocess.run(
             [sys.executable, "-m", "mmcache", "bench", cached.url, "--compare", uncached.url,
@@ -24,8 +23,6 @@ def test_bench_compares_two_deployments(tiny_model, tmp_path):
              "--concurrency", "2", "--max-tokens", "4", "--image-size", "112", "--out", str(out)],
             capture_output=True, text=True, timeout=600,
         )  # fmt: skip
-    finally:
-        assert cached.stop() == set() and uncached.stop() == set()
     assert done.returncode == 0, done.stdout + done.stderr
     assert "== ratios" in done.stdout
     doc = json.loads(out.with_suffix(".json").read_text())

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from tests import media
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 from tests.hf_reference import hf_generate, load
 
 pytestmark = pytest.mark.e2e
@@ -55,9 +55,8 @@ def mm(tmp_path_factory) -> Media:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def served(request, tiny_models, mm):
-    server = Server(tiny_models[request.param], media_dir=mm.root)
-    yield server
-    assert server.stop() == set()
+    with serving(tiny_models[request.param], media_dir=mm.root) as server:
+        yield server
 
 
 def text(t: str) -> dict:

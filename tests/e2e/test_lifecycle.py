@@ -179,13 +179,6 @@ def test_children_die_with_a_killed_launcher(tiny_model) -> None:
         shutil.rmtree(rundir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    srv = Server(tiny_model)
-    yield srv
-    assert srv.stop() == set()
-
-
 def test_concurrent_streams_equal_sequential_answers(server: Server) -> None:
     png = media.image_bytes(448, 448, seed=11)
     jpeg = media.image_bytes(300, 200, seed=12, fmt="JPEG")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from openai import OpenAI
 
 from tests import media
-from tests.e2e.server import Server
+from tests.e2e.server import serving
 from tests.e2e.test_exactness import reference_inputs
 from tests.hf_reference import hf_greedy_logprobs, load
 
@@ -27,16 +26,9 @@ IMAGE = media.image_bytes(448, 448, seed=0)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def served(request, tiny_models):
-    server = Server(tiny_models[request.param])
-    yield server
-    assert server.stop() == set()
-
-
-@pytest.fixture(scope="module")
-def client(served) -> OpenAI:
-    with OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
+def server(request, tiny_models):
+    with serving(tiny_models[request.param]) as srv:
+        yield srv
 
 
 def _messages() -> list[dict]:
@@ -52,8 +44,8 @@ def _messages() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(served):
-    return hf_greedy_logprobs(served.model, *reference_inputs(_messages()), max_new_tokens=MAX_TOKENS)
+def reference(server):
+    return hf_greedy_logprobs(server.model, *reference_inputs(_messages()), max_new_tokens=MAX_TOKENS)
 
 
 def _check(entries, ref_ids: list[int], ref: object, tokenizer) -> None:
@@ -70,20 +62,25 @@ def _check(entries, ref_ids: list[int], ref: object, tokenizer) -> None:
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=TOL)
 
 
-def test_greedy_logprobs_equal_transformers(client, served, reference) -> None:
+def _ask(client, server, **extra):
+    """The greedy answer to :func:`_messages` with its logprobs and top entries."""
+    return client.chat.completions.create(
+        model=server.model.name,
+        messages=_messages(),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=TOP,
+        **extra,
+    )
+
+
+def test_greedy_logprobs_equal_transformers(client, server, reference) -> None:
     ref_ids, ref = reference
-    tokenizer = load(str(served.model))[0].tokenizer
+    tokenizer = load(str(server.model))[0].tokenizer
     cached = []
     for _ in range(2):  # cold, then served from the prefix cache
-        out = client.chat.completions.create(
-            model=served.model.name,
-            messages=_messages(),
-            temperature=0,
-            max_tokens=MAX_TOKENS,
-            logprobs=True,
-            top_logprobs=TOP,
-            extra_body={"return_token_ids": True},
-        )
+        out = _ask(client, server, extra_body={"return_token_ids": True})
         (choice,) = out.choices
         assert choice.model_extra["token_ids"] == ref_ids
         _check(choice.logprobs.content, ref_ids, ref, tokenizer)
@@ -91,18 +88,10 @@ def test_greedy_logprobs_equal_transformers(client, served, reference) -> None:
     assert cached[1] > 0
 
 
-def test_streamed_logprobs_equal_transformers(client, served, reference) -> None:
+def test_streamed_logprobs_equal_transformers(client, server, reference) -> None:
     ref_ids, ref = reference
-    tokenizer = load(str(served.model))[0].tokenizer
-    stream = client.chat.completions.create(
-        model=served.model.name,
-        messages=_messages(),
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        logprobs=True,
-        top_logprobs=TOP,
-        stream=True,
-    )
+    tokenizer = load(str(server.model))[0].tokenizer
+    stream = _ask(client, server, stream=True)
     entries = []
     for chunk in stream:
         for choice in chunk.choices:
@@ -111,13 +100,13 @@ def test_streamed_logprobs_equal_transformers(client, served, reference) -> None
     _check(entries, ref_ids, ref, tokenizer)
 
 
-def test_sampled_logprobs_follow_the_truncated_distribution(served) -> None:
+def test_sampled_logprobs_follow_the_truncated_distribution(server) -> None:
     """With top_k the drawn token's distribution holds k tokens: their probabilities sum to 1 and
     every other token reports the floor."""
-    status, body = served.post(
+    status, body = server.post(
         "/v1/chat/completions",
         {
-            "model": served.model.name,
+            "model": server.model.name,
             "messages": _messages(),
             "temperature": 0.8,
             "top_k": 3,
@@ -135,10 +124,10 @@ def test_sampled_logprobs_follow_the_truncated_distribution(served) -> None:
         assert min(abs(entry["logprob"] - v) for v in tops[:3]) < 1e-6  # the drawn token is one of them
 
 
-def test_no_logprobs_unless_asked(served) -> None:
-    status, body = served.post(
+def test_no_logprobs_unless_asked(server) -> None:
+    status, body = server.post(
         "/v1/chat/completions",
-        {"model": served.model.name, "messages": _messages(), "temperature": 0, "max_tokens": 2},
+        {"model": server.model.name, "messages": _messages(), "temperature": 0, "max_tokens": 2},
     )
     assert status == 200, body
     assert body["choices"][0]["logprobs"] is None

@@ -14,8 +14,8 @@ import pytest
 import xxhash
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmcache import harness
 from mmcache.scrape import Samples, endpoints, fetch_text, scrape_endpoints
+from tests.e2e.server import serving
 from tests.e2e.util import image_part
 from tests.media import image_bytes
 from tests.promtool import check_metrics
@@ -29,11 +29,8 @@ SALT = "tenant-secret-7f3a"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("metrics") / "serve.log"
-    srv = harness.Server(
-        tiny_model, "--log-format", "json", log=log, env={"OMP_NUM_THREADS": "1", "MMCACHE_LOG_LEVEL": "INFO"}
-    )
-    yield srv
-    assert srv.stop() == set()
+    with serving(tiny_model, "--log-format", "json", log=log, env={"MMCACHE_LOG_LEVEL": "INFO"}) as srv:
+        yield srv
 
 
 def scrape_stages(server) -> dict[str, Samples]:

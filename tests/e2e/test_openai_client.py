@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from openai import OpenAI
 
 from tests import media
-from tests.e2e.server import Server
 from tests.hf_reference import load
 
 pytestmark = pytest.mark.e2e
@@ -15,19 +13,6 @@ pytestmark = pytest.mark.e2e
 IMAGE = media.image_bytes(448, 448, seed=7)  # 32x32 patches, merged 2x2: 256 image tokens
 IMAGE_TOKENS = 256
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model):
-    srv = Server(tiny_model)
-    yield srv
-    assert srv.stop() == set()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:
-        yield c
 
 
 def _messages() -> list[dict]:

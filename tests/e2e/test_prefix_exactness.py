@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 from tests.e2e.util import chat, image_part, metrics, ok, tokens, video_part
 from tests.media import image_bytes, video_bytes
 
@@ -78,22 +78,18 @@ def send(server: Server, body: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
+def pressured(tiny_model):
     # Chunked prefill (64 tokens a step) admits sequences before their whole prompt has blocks,
     # so concurrent prompts outgrow the 48-block pool and preempt each other.
-    pressured = Server(
+    with serving(
         tiny_model,
         *("--num-kv-blocks", "48", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"),
         *("--encoder-cache-gb", "0.0003"),
-    )
-    baseline = Server(tiny_model, "--no-cache")
-    yield pressured, baseline
-    assert pressured.stop() == set()
-    assert baseline.stop() == set()
+    ) as server:
+        yield server
 
 
-def test_cache_on_equals_cache_off_under_pressure(servers):
-    pressured, baseline = servers
+def test_cache_on_equals_cache_off_under_pressure(pressured, baseline):
     bodies = workload(seed=7, n=28)
     expected = [send(baseline, b) for b in bodies]
     # Rounds of 4 concurrent requests: they compete for 48 KV blocks.

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 from tests.e2e.util import chat, image_part, metrics, tokens
 from tests.media import image_bytes
 
@@ -40,16 +40,13 @@ def send(server: Server, body: dict) -> tuple[int, list[int] | dict]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model):
-    pressured = Server(
+def pressured(tiny_model):
+    with serving(
         tiny_model,
         *("--num-kv-blocks", "30", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"),
         *("--encoder-cache-gb", "0.0001"),
-    )
-    baseline = Server(tiny_model, "--no-cache")
-    yield pressured, baseline
-    assert pressured.stop() == set()
-    assert baseline.stop() == set()
+    ) as server:
+        yield server
 
 
 SEEDS = [1, 2, 3, 4, 5]
@@ -57,8 +54,7 @@ REPAIRS: dict[int, int] = {}  # seed → mid-request repairs it caused
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_no_request_fails_under_memory_pressure(servers, seed: int):
-    pressured, baseline = servers
+def test_no_request_fails_under_memory_pressure(pressured, baseline, seed: int):
     warm, burst = bodies(seed)
     before = metrics(pressured)
     got = [send(pressured, b) for b in warm]

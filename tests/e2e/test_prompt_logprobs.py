@@ -10,10 +10,9 @@ import math
 from collections.abc import Callable
 
 import pytest
-from openai import OpenAI
 
 from tests import media
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 from tests.e2e.test_exactness import image, reference_inputs, text, user, video
 from tests.e2e.util import metrics, ok
 from tests.hf_reference import hf_prompt_logprobs
@@ -46,20 +45,6 @@ CASES: dict[str, Callable[[], list[dict]]] = {
         {"role": "user", "content": "And in the corners?"},
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def cached(tiny_model):
-    server = Server(tiny_model)
-    yield server
-    assert server.stop() == set()
-
-
-@pytest.fixture(scope="module")
-def uncached(tiny_model):
-    server = Server(tiny_model, "--no-cache")
-    yield server
-    assert server.stop() == set()
 
 
 def body(server: Server, messages: list[dict], **extra) -> dict:
@@ -106,25 +91,25 @@ def matches_hf(server: Server, messages: list[dict], out: dict) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_cold_and_warm_equal_no_cache_and_transformers(cached, uncached, case) -> None:
+def test_cold_and_warm_equal_no_cache_and_transformers(server, baseline, case) -> None:
     messages = CASES[case]()
     if case == "multi_turn":  # its prefix first cached by a request that asks for no logprobs
-        plain = ok(cached, {**body(cached, messages), "prompt_logprobs": None})
+        plain = ok(server, {**body(server, messages), "prompt_logprobs": None})
         assert "prompt_logprobs" not in plain
-    cold = ok(cached, body(cached, messages))
-    warm = ok(cached, body(cached, messages))
-    reference = ok(uncached, body(uncached, messages))
+    cold = ok(server, body(server, messages))
+    warm = ok(server, body(server, messages))
+    reference = ok(baseline, body(baseline, messages))
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     for out in (cold, warm):
         same(out, reference)
         assert out["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
-    matches_hf(cached, messages, warm)
+    matches_hf(server, messages, warm)
 
 
-def test_store_is_in_metrics_within_the_kv_budget(cached) -> None:
-    ok(cached, body(cached, CASES["text"]()))
-    m = metrics(cached)
+def test_store_is_in_metrics_within_the_kv_budget(server) -> None:
+    ok(server, body(server, CASES["text"]()))
+    m = metrics(server)
     assert m["mmcache_llm_prompt_logprob_store_bytes"] > 0
     assert m["mmcache_llm_prompt_logprob_blocks"] > 0
     used = m["mmcache_llm_kv_cache_capacity_bytes"] + m["mmcache_llm_prompt_logprob_store_bytes"]
@@ -134,12 +119,11 @@ def test_store_is_in_metrics_within_the_kv_budget(cached) -> None:
 @pytest.fixture(scope="module")
 def small_kv(tiny_model):
     """A KV pool of 24 blocks: an image request and a text request cannot both stay cached."""
-    server = Server(tiny_model, "--num-kv-blocks", "24")
-    yield server
-    assert server.stop() == set()
+    with serving(tiny_model, "--num-kv-blocks", "24") as server:
+        yield server
 
 
-def test_partial_hit_inside_an_image(small_kv, uncached) -> None:
+def test_partial_hit_inside_an_image(small_kv, baseline) -> None:
     """A text request evicts the tail blocks of an image request (freed tail first); the image
     request again hits a prefix that ends inside the image, with the same prompt logprobs."""
     messages = [user(image(media.data_url(BIG, "image/png")), text("What is in it?"))]
@@ -152,24 +136,23 @@ def test_partial_hit_inside_an_image(small_kv, uncached) -> None:
     again = ok(small_kv, body(small_kv, messages))
     hit = again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert image_start < hit < image_end
-    reference = ok(uncached, body(uncached, messages))
+    reference = ok(baseline, body(baseline, messages))
     same(first, reference)
     same(again, reference)
     matches_hf(small_kv, messages, again)
 
 
-def test_streamed_prompt_logprobs_come_once_and_equal_the_answer(cached) -> None:
+def test_streamed_prompt_logprobs_come_once_and_equal_the_answer(server, client) -> None:
     messages = CASES["one_image"]()
-    whole = ok(cached, body(cached, messages))
-    with OpenAI(base_url=cached.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-        stream = client.chat.completions.create(
-            model=cached.model.name,
-            messages=messages,
-            temperature=0,
-            max_tokens=2,
-            stream=True,
-            extra_body={"prompt_logprobs": K},
-        )
-        got = [c.model_extra["prompt_logprobs"] for c in stream if c.model_extra.get("prompt_logprobs")]
+    whole = ok(server, body(server, messages))
+    stream = client.chat.completions.create(
+        model=server.model.name,
+        messages=messages,
+        temperature=0,
+        max_tokens=2,
+        stream=True,
+        extra_body={"prompt_logprobs": K},
+    )
+    got = [c.model_extra["prompt_logprobs"] for c in stream if c.model_extra.get("prompt_logprobs")]
     assert len(got) == 1
     same({**whole, "prompt_logprobs": got[0]}, whole)

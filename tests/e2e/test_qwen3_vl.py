@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 from tests.e2e.test_exactness import reference_inputs
 from tests.e2e.util import chat, image_part, metrics, ok, tokens, video_part
 from tests.hf_reference import hf_generate
@@ -30,9 +30,8 @@ def model(tiny_models):
 
 @pytest.fixture(scope="module")
 def server(model):
-    s = Server(model)
-    yield s
-    assert s.stop() == set()
+    with serving(model) as s:
+        yield s
 
 
 def counters(server: Server) -> dict[str, float]:
@@ -118,9 +117,8 @@ def test_repeat_is_served_from_the_prefix_and_fetches_nothing(model, server):
 @pytest.fixture(scope="module")
 def small_kv(model):
     """A KV pool of 20 blocks: one image request and one text request cannot both stay cached."""
-    s = Server(model, "--num-kv-blocks", "20")
-    yield s
-    assert s.stop() == set()
+    with serving(model, "--num-kv-blocks", "20") as s:
+        yield s
 
 
 def test_partial_hit_inside_an_image_fetches_only_its_tail(model, small_kv):
