@@ -1,4 +1,5 @@
-"""A generate request while the LLM stage serves it: its sequence, its caller and its media state."""
+"""A generate request while the LLM stage serves it: its sequence, its caller and its media state,
+and the replies its caller is sent."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from llm_stage.media_fetch import ChunkRef
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import Sequence
-from shared.messages import ErrorReply, Reencoded
+from shared.messages import ErrorReply, GenerateChunk, Reencoded, TokenLogprobs
 from shared.rpc import Responder
 
 
@@ -25,3 +26,32 @@ class LiveRequest:
     repairs: int = 0
     reencoded: asyncio.Future[Reencoded] | None = None  # while the processor re-encodes for it
     failure: ErrorReply | None = None  # why it ended with an error, when that was not the engine
+
+
+async def send_replies(live: LiveRequest, stream: bool) -> None:
+    """Send ``live``'s outputs to its caller until it ends: when ``stream``, one chunk of what came
+    since the last one, else one chunk at the end; an error reply if it failed."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] = []
+    prompt: list[TokenLogprobs | None] | None = None
+    while True:
+        outs = [await live.queue.get()]
+        while not live.queue.empty():
+            outs.append(live.queue.get_nowait())
+        last = outs[-1]
+        if last.finish_reason == "error":
+            error = live.failure or ErrorReply("engine_error", last.error or "generation failed", 500)
+            await live.reply.send(error)
+            return
+        tokens += [o.token_id for o in outs if o.token_id is not None]
+        logprobs += [o.logprobs for o in outs if o.logprobs is not None]
+        prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
+        if not stream and last.finish_reason is None:
+            continue  # one message at the end instead of one per step
+        chunk = GenerateChunk(
+            tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
+        )
+        await live.reply.send(chunk, final=last.finish_reason is not None)
+        if last.finish_reason is not None:
+            return
+        tokens, logprobs, prompt = [], [], None

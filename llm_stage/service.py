@@ -16,7 +16,7 @@ import zmq
 from llm_stage.engine import Engine
 from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.kv_cache import KVCache
-from llm_stage.live import LiveRequest
+from llm_stage.live import LiveRequest, send_replies
 from llm_stage.media_fetch import MediaFetcher, chunk_refs
 from llm_stage.media_rows import RowSupply
 from llm_stage.metrics import LLMMetrics
@@ -29,7 +29,6 @@ from shared.config import LLMConfig
 from shared.messages import (
     Abort,
     ErrorReply,
-    GenerateChunk,
     GenerateRequest,
     MediaSpan,
     Ping,
@@ -38,7 +37,6 @@ from shared.messages import (
     ProbeRequest,
     Reencoded,
     ReleaseProbe,
-    TokenLogprobs,
 )
 from shared.metrics import MetricsServer
 from shared.rpc import Responder
@@ -223,7 +221,7 @@ class LLMService:
             self.metrics.track(seq, arrived)
             self.engine.submit(seq)
             self._wakeup.set()
-            await self._stream(live, msg.stream)
+            await send_replies(live, msg.stream)
         finally:
             self.metrics.forget(seq.seq_id)
             self._live.pop(seq.seq_id, None)
@@ -235,32 +233,6 @@ class LLMService:
                 self._wakeup.set()
             if live.pinned:
                 self.rows.release_pins(live, list(live.pinned))
-
-    async def _stream(self, live: LiveRequest, stream: bool) -> None:
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs] = []
-        prompt: list[TokenLogprobs | None] | None = None
-        while True:
-            outs = [await live.queue.get()]
-            while not live.queue.empty():
-                outs.append(live.queue.get_nowait())
-            last = outs[-1]
-            if last.finish_reason == "error":
-                error = live.failure or ErrorReply("engine_error", last.error or "generation failed", 500)
-                await live.reply.send(error)
-                return
-            tokens += [o.token_id for o in outs if o.token_id is not None]
-            logprobs += [o.logprobs for o in outs if o.logprobs is not None]
-            prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
-            if not stream and last.finish_reason is None:
-                continue  # one message at the end instead of one per step
-            chunk = GenerateChunk(
-                tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
-            )
-            await live.reply.send(chunk, final=last.finish_reason is not None)
-            if last.finish_reason is not None:
-                return
-            tokens, logprobs, prompt = [], [], None
 
     # --- the engine loop ----------------------------------------------------------------
 
