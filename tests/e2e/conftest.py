@@ -23,6 +23,13 @@ def baseline(tiny_model):
 
 
 @pytest.fixture(scope="module")
+def pressured(request, tiny_model):
+    """The model served under memory pressure, with the flags the module names in ``PRESSURE``."""
+    with serving(tiny_model, *request.module.PRESSURE) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
 def client(server) -> OpenAI:
     """The official ``openai`` client of the module's ``server``."""
     with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120) as c:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.server import Server, serving
+from tests.e2e.server import Server
 from tests.e2e.util import chat, image_part, metrics, ok, tokens, video_part
 from tests.media import image_bytes, video_bytes
 
@@ -77,16 +77,12 @@ def send(server: Server, body: dict) -> list[int]:
     return tokens(ok(server, clean))
 
 
-@pytest.fixture(scope="module")
-def pressured(tiny_model):
-    # Chunked prefill (64 tokens a step) admits sequences before their whole prompt has blocks,
-    # so concurrent prompts outgrow the 48-block pool and preempt each other.
-    with serving(
-        tiny_model,
-        *("--num-kv-blocks", "48", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"),
-        *("--encoder-cache-gb", "0.0003"),
-    ) as server:
-        yield server
+# The pressured server's flags: chunked prefill (64 tokens a step) admits sequences before their
+# whole prompt has blocks, so concurrent prompts outgrow the 48-block pool and preempt each other.
+PRESSURE = (
+    *("--num-kv-blocks", "48", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"),
+    *("--encoder-cache-gb", "0.0003"),
+)
 
 
 def test_cache_on_equals_cache_off_under_pressure(pressured, baseline):

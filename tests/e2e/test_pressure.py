@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.server import Server, serving
+from tests.e2e.server import Server
 from tests.e2e.util import chat, image_part, metrics, tokens
 from tests.media import image_bytes
 
@@ -39,14 +39,10 @@ def send(server: Server, body: dict) -> tuple[int, list[int] | dict]:
     return status, tokens(out) if status == 200 else out
 
 
-@pytest.fixture(scope="module")
-def pressured(tiny_model):
-    with serving(
-        tiny_model,
-        *("--num-kv-blocks", "30", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"),
-        *("--encoder-cache-gb", "0.0001"),
-    ) as server:
-        yield server
+PRESSURE = (  # the pressured server's flags
+    *("--num-kv-blocks", "30", "--max-num-batched-tokens", "32", "--max-num-seqs", "8"),
+    *("--encoder-cache-gb", "0.0001"),
+)
 
 
 SEEDS = [1, 2, 3, 4, 5]
