@@ -226,7 +226,7 @@ class GenerateRequest:
     sampling: SamplingParams
     salt: str | None = None
     probe_id: int = 0  # pin from an earlier ProbeRequest, released once the prefix is held
-    stream: bool = True  # False: one reply with every token at the end (nobody reads them earlier)
+    stream: bool = True  # False: nobody reads tokens as they come: one reply per 16 or so, not per step
     # A generation moved here from a replica that died: the tokens it had generated already
     # (this replica continues after them and sends only what comes next).
     resume_token_ids: list[int] = field(default_factory=list)

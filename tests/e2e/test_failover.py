@@ -45,21 +45,25 @@ class Streamed:
     arrivals: list[float] = field(default_factory=list)  # monotonic time of each content delta
 
 
-def bodies(salt: str, offset: int, side: int = 160) -> list[dict]:
-    """``side``: the images' height (their widths vary around it)."""
+def bodies(salt: str, offset: int, side: int = 160, plain: bool = False) -> list[dict]:
+    """``side``: the images' height (their widths vary around it); ``plain``: every fourth
+    request is not streamed (the client waits for the whole answer)."""
     out = []
     for i in range(CONCURRENT):
         img = image_bytes(side + 16 * (i % 4), side, seed=offset + i)
         extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}  # a third sampled
         body = chat("qwen2-vl", [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
-        body.update(max_tokens=MAX_TOKENS, ignore_eos=True, stream=True, cache_salt=salt)
-        body["stream_options"] = {"include_usage": True}
+        body.update(
+            max_tokens=MAX_TOKENS, ignore_eos=True, stream=not (plain and i % 4 == 3), cache_salt=salt
+        )
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
         out.append(body)
     return out
 
 
 class Started:
-    """How many streams have had their first tokens."""
+    """How many streams have had their first tokens (or their ``at``-th)."""
 
     def __init__(self):
         self.count = 0
@@ -77,8 +81,34 @@ class Started:
             )
 
 
-def stream(port: int, body: dict, started: Started) -> Streamed:
-    """POST ``body`` and read its server-sent events to the end."""
+def complete(port: int, body: dict) -> Streamed:
+    """POST a body that is not streamed; its answer."""
+    out = Streamed()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {raw[:300]!r}"
+            return out
+        answer = json.loads(raw)
+        out.text, out.completion_tokens = (
+            answer["choices"][0]["message"]["content"],
+            answer["usage"]["completion_tokens"],
+        )
+    except Exception as exc:  # the test counts it as failed
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return out
+
+
+def stream(port: int, body: dict, started: Started, at: int = 1) -> Streamed:
+    """POST ``body`` and read its server-sent events to the end; ``started`` hears of it once it
+    has had ``at`` content deltas (or ended)."""
+    if not body["stream"]:
+        return complete(port, body)
     out = Streamed()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     first = True
@@ -102,7 +132,7 @@ def stream(port: int, body: dict, started: Started) -> Streamed:
                 if content:
                     out.text += content
                     out.arrivals.append(time.monotonic())
-                    if first:
+                    if first and len(out.arrivals) >= at:
                         first = False
                         started.one()
     except Exception as exc:  # the test counts it as failed
@@ -114,11 +144,13 @@ def stream(port: int, body: dict, started: Started) -> Streamed:
     return out
 
 
-def run_all(stack: Stack, load: list[dict], kill=None, after: int = 0) -> tuple[list[Streamed], float]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens."""
+def run_all(
+    stack: Stack, load: list[dict], kill=None, after: int = 0, at: int = 1
+) -> tuple[list[Streamed], float]:
+    """Every body at once; ``kill()`` runs once ``after`` streams have had ``at`` tokens."""
     started = Started()
     with ThreadPoolExecutor(len(load)) as pool:
-        futures = [pool.submit(stream, stack.port, b, started) for b in load]
+        futures = [pool.submit(stream, stack.port, b, started, at) for b in load]
         killed_at = 0.0
         if kill is not None:
             started.wait(after, timeout=120)
@@ -226,21 +258,26 @@ def test_encoder_lost_mid_load_fails_nothing(stack, loss):
 
 
 def test_llm_lost_mid_stream_migrates_streams(stack, loss):
-    want, _ = run_all(stack, bodies("uninterrupted-llm", 900))
+    """Streamed and not: every request the lost replica was generating moves with its tokens so
+    far (a request nobody reads token by token still reports them every 16 tokens)."""
+    want, _ = run_all(stack, bodies("uninterrupted-llm", 900, plain=True))
     before = counters(stack)
-    killed = []
+    load, killed = [], []
 
     def kill() -> None:
         """Lose the LLM replica running the most of these requests (LLM procs follow encoders')."""
-        load = llm_loads(stack.llms)
+        load.extend(llm_loads(stack.llms))
         print(f"\nLLM replicas' load at the loss: {load}")
         killed.append(stack.procs[len(stack.encoders) + load.index(max(load))])
         lose(killed[0], loss)
 
-    # lost once every stream has its first tokens: each of its streams moves mid-answer
-    got, killed_at = run_all(stack, bodies(f"{loss}-llm", 900), kill, after=CONCURRENT)
+    # NOTE: lost once every stream has 24 tokens: the requests that are not streamed, sent and
+    # decoded with them, have reported 16 by then, so every request moves mid-answer.
+    load_ = bodies(f"{loss}-llm", 900, plain=True)
+    streams = sum(b["stream"] for b in load_)
+    got, killed_at = run_all(stack, load_, kill, after=streams, at=24)
     delta = check(f"LLM replica {loss}", stack, got, want, before, killed_at)
-    assert delta["migrated"] > 0  # streams really moved mid-answer
+    assert delta["migrated"] == max(load) and delta["retried"] == 0, (delta, load)
     assert delta["exhausted"] == 0
 
 
