@@ -104,13 +104,13 @@ def complete(port: int, body: dict) -> Streamed:
     return out
 
 
-def stream(port: int, body: dict, started: Started, at: int = 1) -> Streamed:
+def stream(port: int, body: dict, started: Started, at: int = 1, timeout: float = 120) -> Streamed:
     """POST ``body`` and read its server-sent events to the end; ``started`` hears of it once it
     has had ``at`` content deltas (or ended)."""
     if not body["stream"]:
         return complete(port, body)
     out = Streamed()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     first = True
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -225,7 +225,7 @@ def loss(request) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, loss):
-    s = Stack(tiny_model, encoders=2, llms=2)
+    s = Stack(tiny_model, encoders=2, llms=2, processors=2)
     yield s
     for p in s.procs:  # NOTE: a stopped process handles SIGTERM only once it runs again
         if p.poll() is None:
@@ -233,7 +233,11 @@ def stack(tiny_model, loss):
     s.stop()
 
 
+_lost: set[int] = set()  # pids of the replicas lost so far (a stopped one still "runs")
+
+
 def lose(proc, loss: str) -> None:
+    _lost.add(proc.pid)
     proc.send_signal(LOSSES[loss])
     if loss == "killed":
         proc.wait(timeout=10)
@@ -281,10 +285,45 @@ def test_llm_lost_mid_stream_migrates_streams(stack, loss):
     assert delta["exhausted"] == 0
 
 
+def test_processor_lost_the_other_serves(stack, loss):
+    """Two processors share the stages; the second is lost mid-load. Every request at the first
+    succeeds with the uninterrupted answer, and the LLM replicas stop the lost processor's
+    generations at once (its connections close, or their heartbeat closes them) instead of
+    running them to their (long) max_tokens. Its own clients lose their HTTP connections."""
+    survivor, lost = stack.procs[-2:]
+    want, _ = run_all(stack, bodies("uninterrupted-proc", 1300)[::2])
+    load = bodies(f"{loss}-proc", 1300)
+    kept, doomed = load[::2], load[1::2]
+    for body in doomed:
+        body["max_tokens"] = 2000  # ~a minute of decoding if nothing stops it
+    before = counters(stack)
+    started = Started()
+    with ThreadPoolExecutor(len(load)) as pool:
+        futures = [pool.submit(stream, stack.ports[0], b, started) for b in kept]
+        orphans = [pool.submit(stream, stack.ports[1], b, started, 1, 10) for b in doomed]
+        started.wait(len(load), timeout=120)
+        killed_at = time.monotonic()
+        lose(lost, loss)
+        got = [f.result() for f in futures]
+        llm_procs = stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]
+        live = [a for a, p in zip(stack.llms, llm_procs, strict=True) if p.pid not in _lost]
+        while sum(llm_loads(live)) > 0:
+            waited = time.monotonic() - killed_at
+            assert waited < 20, f"the lost processor's generations still run after {waited:.0f} s"
+            time.sleep(0.2)
+        idle = time.monotonic() - killed_at
+        # NOTE: a killed server's stream may just end (the connection closed between events)
+        cut = sum(f.result().completion_tokens != doomed[0]["max_tokens"] for f in orphans)
+    check(f"processor {loss} (at the other)", stack, got, want, before, killed_at)
+    print(f"its {len(doomed)} requests: {cut} cut off; the LLM replicas idle by {idle:.1f} s after the loss")
+    assert cut == len(doomed)
+    assert survivor.poll() is None
+
+
 def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack, loss):
     """Runs after the LLM loss test: the last replica is lost too; a request then ends with a
     503 naming why, in seconds (not at the 120 s stage timeout), and counts as exhausted."""
-    for proc in stack.procs[len(stack.encoders) : -1]:
+    for proc in stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]:
         if proc.poll() is None:
             lose(proc, loss)
     before = counters(stack)
