@@ -9,8 +9,13 @@ from dataclasses import dataclass, field
 from llm_stage.media_fetch import ChunkRef
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import Sequence
+from shared.keys import ChunkKey
 from shared.messages import ErrorReply, GenerateChunk, Reencoded, TokenLogprobs
 from shared.rpc import Responder
+
+# NOTE: a request nobody reads token by token still reports its tokens every so often, so that if
+# this replica dies the processor moves it with its tokens so far instead of starting it again.
+PROGRESS_EVERY = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -20,7 +25,7 @@ class LiveRequest:
     seq: Sequence
     reply: Responder
     refs: list[ChunkRef]
-    pinned: set[bytes]  # chunks this request holds a hand-off pin for at their encoders
+    pinned: set[ChunkKey]  # chunks this request holds a hand-off pin for at their encoders
     queue: asyncio.Queue[StepOutput] = field(default_factory=asyncio.Queue)
     tasks: set[asyncio.Task] = field(default_factory=set)
     repairs: int = 0
@@ -30,7 +35,8 @@ class LiveRequest:
 
 async def send_replies(live: LiveRequest, stream: bool) -> None:
     """Send ``live``'s outputs to its caller until it ends: when ``stream``, one chunk of what came
-    since the last one, else one chunk at the end; an error reply if it failed."""
+    since the last one, else one every :data:`PROGRESS_EVERY` tokens and one at the end; an error
+    reply if it failed."""
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] = []
     prompt: list[TokenLogprobs | None] | None = None
@@ -46,8 +52,8 @@ async def send_replies(live: LiveRequest, stream: bool) -> None:
         tokens += [o.token_id for o in outs if o.token_id is not None]
         logprobs += [o.logprobs for o in outs if o.logprobs is not None]
         prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
-        if not stream and last.finish_reason is None:
-            continue  # one message at the end instead of one per step
+        if not stream and last.finish_reason is None and len(tokens) < PROGRESS_EVERY:
+            continue  # a message per PROGRESS_EVERY tokens instead of one per step
         chunk = GenerateChunk(
             tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
         )

@@ -16,6 +16,7 @@ from llm_stage.live import LiveRequest
 from llm_stage.media_fetch import MediaFetcher
 from llm_stage.metrics import LLMMetrics
 from shared.config import LLMConfig
+from shared.keys import ChunkKey
 from shared.messages import ErrorReply, NeedEncode, ReleaseHandoff
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ class RowSupply:
         self.fetcher.stats.chunks_skipped += len(skipped)
         self.release_pins(live, [r.key for r in skipped if r.key in live.pinned])
 
-    def release_pins(self, live: LiveRequest, keys: list[bytes]) -> None:
-        by_source: dict[str, list[bytes]] = {}
+    def release_pins(self, live: LiveRequest, keys: list[ChunkKey]) -> None:
+        by_source: dict[str, list[ChunkKey]] = {}
         for r in live.refs:
             if r.key in keys and r.key in live.pinned:
                 by_source.setdefault(r.source, []).append(r.key)
@@ -89,7 +90,7 @@ class RowSupply:
         finally:
             self._wakeup.set()
 
-    async def _repair(self, live: LiveRequest, lost: dict[bytes, str]) -> bool:
+    async def _repair(self, live: LiveRequest, lost: dict[ChunkKey, str]) -> bool:
         """Ask the processor to encode ``lost`` chunks again and wait for it; False if it ended."""
         causes = Counter(lost.values())
         if live.repairs >= self.cfg.max_repairs:

@@ -26,6 +26,7 @@ from llm_stage.validate import RequestError, validate, validate_probe
 from shared.block_hash import block_hashes, root_hash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
+from shared.keys import ChunkKey
 from shared.messages import (
     Abort,
     ErrorReply,
@@ -253,8 +254,8 @@ class LLMService:
                 # NOTE: a bug, not a request's fault: end every request now rather than let its
                 # caller wait for the stage timeout.
                 log.exception("engine step failed; ending %d request(s)", len(self._live))
-                for live in self._live.values():
-                    live.queue.put_nowait(StepOutput(live.seq.seq_id, None, "error", 0, 0, "engine failure"))
+                for each in self._live.values():
+                    each.queue.put_nowait(StepOutput(each.seq.seq_id, None, "error", 0, 0, "engine failure"))
                 raise
             self.metrics.step(started, time.perf_counter(), result.outputs)
             for out in result.outputs:
@@ -292,7 +293,7 @@ class LLMService:
         self.fetcher.close()
 
 
-def _keys(spans: list[MediaSpan]) -> list[bytes]:
+def _keys(spans: list[MediaSpan]) -> list[ChunkKey]:
     return [key for span in spans for key in span.chunk_keys]
 
 

@@ -1,8 +1,10 @@
 """Kill tests: two encoder replicas, two LLM replicas and one processor, each its own process on
-loopback, serving 24 concurrent streaming image requests; one replica is SIGKILLed mid-load.
+loopback, serving 24 concurrent streaming image requests; one replica is lost mid-load, either
+SIGKILLed (its kernel closes the connections at once) or SIGSTOPped (hung: the connections stay
+open and nothing answers, as when a node is cut off the network; the ZMTP heartbeat notices).
 
 Every request must still succeed with the answer of an uninterrupted run (greedy, and seeded
-sampling too): a dead encoder's chunks are encoded again at the next owner, a dead LLM replica's
+sampling too): a lost encoder's chunks are encoded again at the next owner, a lost LLM replica's
 streams move to the other one with their tokens so far, and the client's stream loses and
 repeats nothing. The uninterrupted answers come from the same stack under another
 ``cache_salt`` (no cache tier shares anything across salts, and a salt never changes an answer).
@@ -43,20 +45,25 @@ class Streamed:
     arrivals: list[float] = field(default_factory=list)  # monotonic time of each content delta
 
 
-def bodies(salt: str, offset: int) -> list[dict]:
+def bodies(salt: str, offset: int, side: int = 160, plain: bool = False) -> list[dict]:
+    """``side``: the images' height (their widths vary around it); ``plain``: every fourth
+    request is not streamed (the client waits for the whole answer)."""
     out = []
     for i in range(CONCURRENT):
-        img = image_bytes(160 + 16 * (i % 4), 160, seed=offset + i)
+        img = image_bytes(side + 16 * (i % 4), side, seed=offset + i)
         extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}  # a third sampled
         body = chat("qwen2-vl", [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
-        body.update(max_tokens=MAX_TOKENS, ignore_eos=True, stream=True, cache_salt=salt)
-        body["stream_options"] = {"include_usage": True}
+        body.update(
+            max_tokens=MAX_TOKENS, ignore_eos=True, stream=not (plain and i % 4 == 3), cache_salt=salt
+        )
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
         out.append(body)
     return out
 
 
 class Started:
-    """How many streams have had their first tokens."""
+    """How many streams have had their first tokens (or their ``at``-th)."""
 
     def __init__(self):
         self.count = 0
@@ -74,10 +81,36 @@ class Started:
             )
 
 
-def stream(port: int, body: dict, started: Started) -> Streamed:
-    """POST ``body`` and read its server-sent events to the end."""
+def complete(port: int, body: dict) -> Streamed:
+    """POST a body that is not streamed; its answer."""
     out = Streamed()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {raw[:300]!r}"
+            return out
+        answer = json.loads(raw)
+        out.text, out.completion_tokens = (
+            answer["choices"][0]["message"]["content"],
+            answer["usage"]["completion_tokens"],
+        )
+    except Exception as exc:  # the test counts it as failed
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return out
+
+
+def stream(port: int, body: dict, started: Started, at: int = 1, timeout: float = 120) -> Streamed:
+    """POST ``body`` and read its server-sent events to the end; ``started`` hears of it once it
+    has had ``at`` content deltas (or ended)."""
+    if not body["stream"]:
+        return complete(port, body)
+    out = Streamed()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     first = True
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -99,7 +132,7 @@ def stream(port: int, body: dict, started: Started) -> Streamed:
                 if content:
                     out.text += content
                     out.arrivals.append(time.monotonic())
-                    if first:
+                    if first and len(out.arrivals) >= at:
                         first = False
                         started.one()
     except Exception as exc:  # the test counts it as failed
@@ -111,11 +144,13 @@ def stream(port: int, body: dict, started: Started) -> Streamed:
     return out
 
 
-def run_all(stack: Stack, load: list[dict], kill=None, after: int = 0) -> tuple[list[Streamed], float]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens."""
+def run_all(
+    stack: Stack, load: list[dict], kill=None, after: int = 0, at: int = 1
+) -> tuple[list[Streamed], float]:
+    """Every body at once; ``kill()`` runs once ``after`` streams have had ``at`` tokens."""
     started = Started()
     with ThreadPoolExecutor(len(load)) as pool:
-        futures = [pool.submit(stream, stack.port, b, started) for b in load]
+        futures = [pool.submit(stream, stack.port, b, started, at) for b in load]
         killed_at = 0.0
         if kill is not None:
             started.wait(after, timeout=120)
@@ -180,22 +215,45 @@ def check(name: str, stack: Stack, got: list[Streamed], want: list[Streamed], be
     return delta
 
 
+LOSSES = {"killed": signal.SIGKILL, "hung": signal.SIGSTOP}
+
+
+@pytest.fixture(scope="module", params=list(LOSSES))
+def loss(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def stack(tiny_model):
-    s = Stack(tiny_model, encoders=2, llms=2)
+def stack(tiny_model, loss):
+    s = Stack(tiny_model, encoders=2, llms=2, processors=2)
     yield s
+    for p in s.procs:  # NOTE: a stopped process handles SIGTERM only once it runs again
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
     s.stop()
 
 
-def test_encoder_killed_mid_load_fails_nothing(stack):
-    want, _ = run_all(stack, bodies("uninterrupted-enc", 500))
+_lost: set[int] = set()  # pids of the replicas lost so far (a stopped one still "runs")
+
+
+def lose(proc, loss: str) -> None:
+    _lost.add(proc.pid)
+    proc.send_signal(LOSSES[loss])
+    if loss == "killed":
+        proc.wait(timeout=10)
+
+
+def test_encoder_lost_mid_load_fails_nothing(stack, loss):
+    # NOTE: images big enough that the 24 prompts take several engine steps to prefill (the
+    # 2,048-token step budget): when the first stream starts and the encoder is lost, the others
+    # are still being encoded, or their rows are still to be fetched from it.
+    want, _ = run_all(stack, bodies("uninterrupted-enc", 500, side=336))
     before = counters(stack)
     encoder = stack.procs[0]
-    # killed as the first stream starts: the others are still being encoded or fetching rows
-    kill = lambda: encoder.send_signal(signal.SIGKILL)  # noqa: E731
-    got, killed_at = run_all(stack, bodies("killed-enc", 500), kill, after=1)
-    encoder.wait(timeout=10)
-    delta = check("encoder killed", stack, got, want, before, killed_at)
+    got, killed_at = run_all(
+        stack, bodies(f"{loss}-enc", 500, side=336), lambda: lose(encoder, loss), after=1
+    )
+    delta = check(f"encoder {loss}", stack, got, want, before, killed_at)
     # the kill really hit requests in flight: encoded again at the next owner, or repaired
     assert delta["encoder_retried"] + delta["repairs"] > 0, delta
     # new requests after the kill: encoded at the survivor, no error
@@ -203,33 +261,71 @@ def test_encoder_killed_mid_load_fails_nothing(stack):
     assert all(g.error is None and g.completion_tokens == MAX_TOKENS for g in again)
 
 
-def test_llm_killed_mid_stream_migrates_streams(stack):
-    want, _ = run_all(stack, bodies("uninterrupted-llm", 900))
+def test_llm_lost_mid_stream_migrates_streams(stack, loss):
+    """Streamed and not: every request the lost replica was generating moves with its tokens so
+    far (a request nobody reads token by token still reports them every 16 tokens)."""
+    want, _ = run_all(stack, bodies("uninterrupted-llm", 900, plain=True))
     before = counters(stack)
-    killed = []
+    load, killed = [], []
 
     def kill() -> None:
-        """SIGKILL the LLM replica running the most of these requests (LLM procs follow encoders')."""
-        load = llm_loads(stack.llms)
-        print(f"\nLLM replicas' load at the kill: {load}")
+        """Lose the LLM replica running the most of these requests (LLM procs follow encoders')."""
+        load.extend(llm_loads(stack.llms))
+        print(f"\nLLM replicas' load at the loss: {load}")
         killed.append(stack.procs[len(stack.encoders) + load.index(max(load))])
-        killed[0].send_signal(signal.SIGKILL)
+        lose(killed[0], loss)
 
-    # killed once every stream has its first tokens: each of its streams moves mid-answer
-    got, killed_at = run_all(stack, bodies("killed-llm", 900), kill, after=CONCURRENT)
-    killed[0].wait(timeout=10)
-    delta = check("LLM replica killed", stack, got, want, before, killed_at)
-    assert delta["migrated"] > 0  # streams really moved mid-answer
+    # NOTE: lost once every stream has 24 tokens: the requests that are not streamed, sent and
+    # decoded with them, have reported 16 by then, so every request moves mid-answer.
+    load_ = bodies(f"{loss}-llm", 900, plain=True)
+    streams = sum(b["stream"] for b in load_)
+    got, killed_at = run_all(stack, load_, kill, after=streams, at=24)
+    delta = check(f"LLM replica {loss}", stack, got, want, before, killed_at)
+    assert delta["migrated"] == max(load) and delta["retried"] == 0, (delta, load)
     assert delta["exhausted"] == 0
 
 
-def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack):
-    """Runs after the LLM kill test: the last replica is killed too; a request then ends with a
+def test_processor_lost_the_other_serves(stack, loss):
+    """Two processors share the stages; the second is lost mid-load. Every request at the first
+    succeeds with the uninterrupted answer, and the LLM replicas stop the lost processor's
+    generations at once (its connections close, or their heartbeat closes them) instead of
+    running them to their (long) max_tokens. Its own clients lose their HTTP connections."""
+    survivor, lost = stack.procs[-2:]
+    want, _ = run_all(stack, bodies("uninterrupted-proc", 1300)[::2])
+    load = bodies(f"{loss}-proc", 1300)
+    kept, doomed = load[::2], load[1::2]
+    for body in doomed:
+        body["max_tokens"] = 2000  # ~a minute of decoding if nothing stops it
+    before = counters(stack)
+    started = Started()
+    with ThreadPoolExecutor(len(load)) as pool:
+        futures = [pool.submit(stream, stack.ports[0], b, started) for b in kept]
+        orphans = [pool.submit(stream, stack.ports[1], b, started, 1, 10) for b in doomed]
+        started.wait(len(load), timeout=120)
+        killed_at = time.monotonic()
+        lose(lost, loss)
+        got = [f.result() for f in futures]
+        llm_procs = stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]
+        live = [a for a, p in zip(stack.llms, llm_procs, strict=True) if p.pid not in _lost]
+        while sum(llm_loads(live)) > 0:
+            waited = time.monotonic() - killed_at
+            assert waited < 20, f"the lost processor's generations still run after {waited:.0f} s"
+            time.sleep(0.2)
+        idle = time.monotonic() - killed_at
+        # NOTE: a killed server's stream may just end (the connection closed between events)
+        cut = sum(f.result().completion_tokens != doomed[0]["max_tokens"] for f in orphans)
+    check(f"processor {loss} (at the other)", stack, got, want, before, killed_at)
+    print(f"its {len(doomed)} requests: {cut} cut off; the LLM replicas idle by {idle:.1f} s after the loss")
+    assert cut == len(doomed)
+    assert survivor.poll() is None
+
+
+def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack, loss):
+    """Runs after the LLM loss test: the last replica is lost too; a request then ends with a
     503 naming why, in seconds (not at the 120 s stage timeout), and counts as exhausted."""
-    for proc in stack.procs[len(stack.encoders) : -1]:
+    for proc in stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
+            lose(proc, loss)
     before = counters(stack)
     t0 = time.monotonic()
     got = stream(stack.port, bodies("nothing-left", 1100)[0], Started())
