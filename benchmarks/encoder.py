@@ -25,7 +25,6 @@ import zmq
 import zmq.asyncio
 
 from benchmarks.common import (
-    STARTUP_TIMEOUT,
     Budget,
     Result,
     StageProcess,
@@ -39,6 +38,7 @@ from benchmarks.common import (
     say,
     spread,
 )
+from mmcache.harness import STARTUP_TIMEOUT
 
 BYTES_GOAL = 0.25
 FETCH_GOAL = 0.7

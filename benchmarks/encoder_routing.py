@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import zmq.asyncio
 
-from benchmarks.common import STARTUP_TIMEOUT, Result, StageProcess, free_port, main, model_dir, say
+from benchmarks.common import Result, StageProcess, free_port, main, model_dir, say
+from mmcache.harness import STARTUP_TIMEOUT
 
 CAPACITY = 100  # images per replica cache (C)
 QUICK_CAPACITY = 40

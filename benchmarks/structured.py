@@ -13,11 +13,13 @@ the schema, where the object closes (that is counted as it is: tokens generated)
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import numpy as np
 
 from benchmarks.chat import batch, body, warm_up, words
-from benchmarks.common import Result, Server, main, median, model_dir, run_async, say
+from benchmarks.common import Result, Server, main, median, model_dir, say
 
 CONCURRENCY = 16
 MAX_TOKENS = 128
@@ -79,7 +81,7 @@ def run(quick: bool = False) -> list[Result]:
                             f"  round {r} {kind}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s"
                         )
 
-        run_async(go())
+        asyncio.run(go())
     finally:
         server.stop()
     plain = median(rates["plain"])

@@ -189,7 +189,7 @@ def build_processor(arch: str = "qwen2-vl") -> Any:
         image_processor = Qwen2VLImageProcessor(
             min_pixels=64 * 64, max_pixels=_MAX_IMAGE_PIXELS, image_mean=half, image_std=half, **vision
         )
-        video_processor = Qwen3VLVideoProcessor(
+        video_processor: Any = Qwen3VLVideoProcessor(
             size={"shortest_edge": 2 * 64 * 64, "longest_edge": 64 * _MAX_VIDEO_PIXELS},
             cap_pixels_per_frame=False,
             **vision,

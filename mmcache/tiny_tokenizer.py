@@ -154,7 +154,9 @@ def build_tokenizer() -> Any:
         len(vocab) + i: AddedToken(token, special=True, normalized=False)
         for i, token in enumerate(SPECIAL_TOKENS)
     }
-    return Qwen2Tokenizer(
+    # NOTE: merges as pairs and no unk token are what this tokenizer accepts, whatever its stubs say
+    tokenizer: Any = Qwen2Tokenizer
+    return tokenizer(
         vocab=vocab,
         merges=merges,
         unk_token=None,

@@ -1,0 +1,23 @@
+"""Every benchmark module imports (they run only by hand, so nothing else would notice one that
+broke when a helper it uses moved or went away)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import benchmarks
+
+MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__, "benchmarks."))
+
+
+def test_there_are_benchmarks():
+    assert len(MODULES) >= 5, MODULES
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_benchmark_imports(name):
+    module = importlib.import_module(name)
+    assert module.__doc__, f"{name} says what it measures"
