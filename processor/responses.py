@@ -184,6 +184,8 @@ class Completion:
                 }
             ],
         }
+        if self.req.include_usage:
+            out["usage"] = None  # NOTE: OpenAI's: null on every chunk but the last (usage_chunk)
         if self.req.prompt_logprobs is not None and not self._prompt_logprobs_sent:
             prompt = self._prompt_logprobs()
             if prompt is not None:  # NOTE: vLLM's stream carries them once, in the first chunk that can

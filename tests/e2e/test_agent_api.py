@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tests.e2e.server import Server
 from tests.e2e.util import metrics
-from tests.openai_schema import validate
+from tests.openai_schema import validate, validate_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -119,9 +119,9 @@ def test_response_and_every_stream_chunk_validate_against_openai_schema(server) 
     validate(out, "CreateChatCompletionResponse")
     assert out["choices"][0]["message"]["refusal"] is None
     chunks = raw_stream(server, {**body, "stream_options": {"include_usage": True}})
-    for chunk in chunks:
-        validate(chunk, "CreateChatCompletionStreamResponse")
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    validate_stream(chunks, include_usage=True)  # usage: null on every chunk before the last
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    validate_stream(raw_stream(server, body), include_usage=False)
 
 
 def test_logprobs_validate_against_openai_schema(server) -> None:
@@ -206,14 +206,22 @@ def test_n_two_gives_two_choices_from_one_prefill(server) -> None:
     again = raw(server, {"messages": long_question, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3})
     assert [c["message"] for c in again["choices"]] == [c["message"] for c in out["choices"]]
     chunks = raw_stream(
-        server, {"messages": long_question, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3}
+        server,
+        {
+            "messages": long_question,
+            "max_tokens": 6,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 3,
+            "stream_options": {"include_usage": True},
+        },
     )
-    for chunk in chunks:
-        validate(chunk, "CreateChatCompletionStreamResponse")
+    validate_stream(chunks, include_usage=True)
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
     for c in out["choices"]:
         text = "".join(
             ch["choices"][0]["delta"].get("content", "")
-            for ch in chunks
+            for ch in chunks[:-1]
             if ch["choices"][0]["index"] == c["index"]
         )
         assert text == c["message"]["content"]
