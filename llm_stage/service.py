@@ -210,12 +210,12 @@ class LLMService:
         try:
             validate(msg, self.spec, self.engine.lm, self.engine.max_model_len)
         except RequestError as exc:
-            await reply.send(ErrorReply(exc.code, str(exc), 400))
+            await self._fail(reply, ErrorReply(exc.code, str(exc), 400))
             return
         if self.engine.load >= self.cfg.max_queue:
             if msg.probe_id:
                 self.engine.release_probe(msg.probe_id)
-            await reply.send(ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
+            await self._fail(reply, ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
             return
         seq = self._sequence(msg)
         if msg.sampling.grammar is not None:
@@ -228,7 +228,8 @@ class LLMService:
             except GrammarError as exc:
                 if msg.probe_id:
                     self.engine.release_probe(msg.probe_id)
-                await reply.send(ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400))
+                error = ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400)
+                await self._fail(reply, error)
                 return
         pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
         live = _Live(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
@@ -253,6 +254,11 @@ class LLMService:
             if live.pinned:
                 self._release_pins(live, list(live.pinned))
 
+    async def _fail(self, reply: Responder, error: ErrorReply) -> None:
+        """End a generate request with ``error`` (counted by status and code)."""
+        self.metrics.errored(error)
+        await reply.send(error)
+
     async def _stream(self, live: _Live, stream: bool) -> None:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs] = []
@@ -264,7 +270,7 @@ class LLMService:
             last = outs[-1]
             if last.finish_reason == "error":
                 error = live.failure or ErrorReply("engine_error", last.error or "generation failed", 500)
-                await live.reply.send(error)
+                await self._fail(live.reply, error)
                 return
             tokens += [o.token_id for o in outs if o.token_id is not None]
             logprobs += [o.logprobs for o in outs if o.logprobs is not None]
