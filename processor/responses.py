@@ -46,13 +46,15 @@ class Choice:
     def update(self, chunk: GenerateChunk) -> None:
         if self.finish_reason is not None:
             return  # a stop string ended it; the stage's last tokens are not part of the answer
-        self.num_output_tokens += len(chunk.token_ids)
         self.num_cached_tokens = chunk.num_cached_tokens
-        if self.want_logprobs and chunk.logprobs:
-            self.logprobs += lp_shapes.content(self.text, chunk.token_ids, chunk.logprobs)
         if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = chunk.prompt_logprobs
-        self.detok.add(chunk.token_ids)
+        # NOTE: a stop string ends the answer at the token that completes it (vLLM's rule): the
+        # tokens after it in this reply count nowhere (usage, token_ids, logprobs).
+        kept = self.detok.add(chunk.token_ids)
+        self.num_output_tokens += kept
+        if self.want_logprobs and chunk.logprobs:
+            self.logprobs += lp_shapes.content(self.text, chunk.token_ids[:kept], chunk.logprobs[:kept])
         if self.detok.stopped:
             self.finish_reason = "stop"
         elif chunk.finish_reason is not None:
