@@ -185,7 +185,11 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _respond(request: web.Request, completion: Completion) -> web.StreamResponse:
     req = completion.req
-    generation = choices(request.app[DISPATCHER], completion.prepared)
+    generation = choices(
+        request.app[DISPATCHER],
+        completion.prepared,
+        lambda i: completion.choices[i].finish_reason is not None,
+    )
     if req.stream:
         return await _stream(request, generation, completion)
     async with contextlib.aclosing(generation):

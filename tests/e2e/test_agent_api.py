@@ -4,6 +4,7 @@ structured outputs, tool calls, ``n``, logit_bias, conformance with OpenAI's pub
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from typing import Literal
 
@@ -20,6 +21,8 @@ from tests.openai_schema import validate, validate_stream
 pytestmark = pytest.mark.e2e
 
 ORIGIN = "https://app.example"
+MAX_STOP_TOKENS = 160  # max_tokens when a stop string should end a choice early
+ABORT_SLACK_TOKENS = 40  # steps a choice may still run after its stop string, until its abort lands
 QUESTION = [{"role": "user", "content": "Name a harbor town and rate it."}]
 SCHEMA = {
     "type": "object",
@@ -78,6 +81,13 @@ TIME = {
 @pytest.fixture(scope="module")
 def server(tiny_model):
     srv = Server(tiny_model, "--allowed-origins", ORIGIN)
+    yield srv
+    assert srv.stop() == set()
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_model):
+    srv = Server(tiny_model, "--no-cache")
     yield srv
     assert srv.stop() == set()
 
@@ -227,6 +237,57 @@ def test_n_two_gives_two_choices_from_one_prefill(server) -> None:
         assert text == c["message"]["content"]
 
 
+def _generated_tokens(server: Server) -> float:
+    """The LLM stage's generated-token counter, once no sequence is left running there (an
+    aborted one may take a step or two to go)."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = metrics(server)
+        idle = now["mmcache_llm_requests_running"] + now["mmcache_llm_requests_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return now["mmcache_llm_generation_tokens_total"]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_choice_ended_by_its_stop_string_stops_generating(server, uncached, stream) -> None:
+    """With n = 2, the choice that meets its stop string is aborted at the LLM stage then (not run
+    on until the other choice ends and dropped); the answers are unchanged, with caches on and off."""
+    body = {"messages": QUESTION, "temperature": 1.0, "seed": 11, "ignore_eos": True, "n": 2}
+    full = [c["message"]["content"] for c in raw(server, {**body, "max_tokens": MAX_STOP_TOKENS})["choices"]]
+    # A stop string early in choice 0's text that choice 1's never holds: choice 1 runs to max_tokens.
+    stop = next(full[0][i : i + 4] for i in range(4, 40) if full[0][i : i + 4] not in full[1])
+    request = {**body, "max_tokens": MAX_STOP_TOKENS, "stop": [stop]}
+    before = _generated_tokens(server)
+    if stream:
+        chunks = raw_stream(server, {**request, "stream_options": {"include_usage": True}})
+        validate_stream(chunks, include_usage=True)
+        usage = chunks[-1]["usage"]
+        answers = [
+            "".join(
+                c["choices"][0]["delta"].get("content", "")
+                for c in chunks[:-1]
+                if c["choices"][0]["index"] == i
+            )
+            for i in range(2)
+        ]
+        ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks[:-1]}
+    else:
+        out = raw(server, request)
+        usage = out["usage"]
+        answers = [c["message"]["content"] for c in out["choices"]]
+        ends = {c["index"]: c["finish_reason"] for c in out["choices"]}
+    generated = _generated_tokens(server) - before
+    assert ends == {0: "stop", 1: "length"}
+    assert answers == [full[0][: full[0].index(stop)], full[1]]
+    kept = usage["completion_tokens"] - MAX_STOP_TOKENS  # choice 0's tokens, through its stop string
+    assert 0 < kept < 40
+    # Unaborted, choice 0 would run on while choice 1 generates: 2 * max_tokens in all.
+    assert kept + MAX_STOP_TOKENS <= generated <= kept + MAX_STOP_TOKENS + ABORT_SLACK_TOKENS
+    off = raw(uncached, request)
+    assert [c["message"]["content"] for c in off["choices"]] == answers
+
+
 def test_logit_bias_bans_a_token(server) -> None:
     body = {"messages": QUESTION, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
     plain = raw(server, body)["choices"][0]["token_ids"]
@@ -304,16 +365,12 @@ def test_openai_parse_with_pydantic(client, server) -> None:
     assert isinstance(town, Town) and town.kind in ("port", "village", "city")
 
 
-def test_greedy_structured_answer_is_the_same_with_caches_off(server, tiny_model) -> None:
+def test_greedy_structured_answer_is_the_same_with_caches_off(server, uncached) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "town", "schema": SCHEMA}}
     body = {"messages": QUESTION, "response_format": fmt, "temperature": 0, "max_tokens": 120}
     first, second = raw(server, body), raw(server, body)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the hit is real
-    off = Server(tiny_model, "--no-cache")
-    try:
-        cold = raw(off, body)
-    finally:
-        assert off.stop() == set()
+    cold = raw(uncached, body)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert first["choices"][0]["message"] == second["choices"][0]["message"] == cold["choices"][0]["message"]
 
