@@ -57,6 +57,9 @@ async def choices(
     tasks = [asyncio.ensure_future(pump(0, first))]
     tasks += [asyncio.ensure_future(pump(i, dispatcher.generate(prepared, i))) for i in range(1, n)]
     live = set(range(n))  # choices still generating as far as the caller is concerned
+    # NOTE: one turn for the pumps to enter ``aclosing``: a task cancelled before it starts would
+    # leave choice 0's generator (already started) open, and its generation running.
+    await asyncio.sleep(0)
 
     def settle(index: int) -> None:
         if index in live and finished(index):

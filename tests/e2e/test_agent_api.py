@@ -13,6 +13,7 @@ import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoTokenizer
 
 from tests.e2e.server import Server
 from tests.e2e.util import metrics
@@ -249,14 +250,24 @@ def _generated_tokens(server: Server) -> float:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_choice_ended_by_its_stop_string_stops_generating(server, uncached, stream) -> None:
+@pytest.mark.parametrize(
+    ("stream", "first"),
+    [(False, False), (True, False), (False, True)],
+    ids=["whole", "streamed", "first_reply"],
+)
+def test_a_choice_ended_by_its_stop_string_stops_generating(server, uncached, stream, first) -> None:
     """With n = 2, the choice that meets its stop string is aborted at the LLM stage then (not run
-    on until the other choice ends and dropped); the answers are unchanged, with caches on and off."""
+    on until the other choice ends and dropped), also when its very first reply holds it; the
+    answers are unchanged, with caches on and off."""
     body = {"messages": QUESTION, "temperature": 1.0, "seed": 11, "ignore_eos": True, "n": 2}
-    full = [c["message"]["content"] for c in raw(server, {**body, "max_tokens": MAX_STOP_TOKENS})["choices"]]
+    unstopped = raw(server, {**body, "max_tokens": MAX_STOP_TOKENS, "return_token_ids": True})["choices"]
+    full = [c["message"]["content"] for c in unstopped]
     # A stop string early in choice 0's text that choice 1's never holds: choice 1 runs to max_tokens.
-    stop = next(full[0][i : i + 4] for i in range(4, 40) if full[0][i : i + 4] not in full[1])
+    if first:  # choice 0's first token: it ends with the first reply
+        stop = AutoTokenizer.from_pretrained(server.model).decode(unstopped[0]["token_ids"][:1])
+        assert stop and stop not in full[1]
+    else:
+        stop = next(full[0][i : i + 4] for i in range(4, 40) if full[0][i : i + 4] not in full[1])
     request = {**body, "max_tokens": MAX_STOP_TOKENS, "stop": [stop]}
     before = _generated_tokens(server)
     if stream:
@@ -281,7 +292,7 @@ def test_a_choice_ended_by_its_stop_string_stops_generating(server, uncached, st
     assert ends == {0: "stop", 1: "length"}
     assert answers == [full[0][: full[0].index(stop)], full[1]]
     kept = usage["completion_tokens"] - MAX_STOP_TOKENS  # choice 0's tokens, through its stop string
-    assert 0 < kept < 40
+    assert kept == 1 if first else 1 < kept < 40
     # Unaborted, choice 0 would run on while choice 1 generates: 2 * max_tokens in all.
     assert kept + MAX_STOP_TOKENS <= generated <= kept + MAX_STOP_TOKENS + ABORT_SLACK_TOKENS
     off = raw(uncached, request)
