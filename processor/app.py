@@ -223,8 +223,7 @@ async def _stream(
             choice = completion.choices[item[0]]
             if choice.finish_reason is None:
                 choice.update(item[1])
-                delta = choice.delta()
-                if delta or choice.pending_logprobs:
+                for delta in choice.deltas():
                     await sse(resp, completion.chunk(choice, delta))
                     if record.first_token is None:
                         record.first_token = time.perf_counter()

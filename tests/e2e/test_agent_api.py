@@ -427,14 +427,22 @@ def test_forced_tool_calls_validate_and_stream_the_same(client, server, choice, 
     for chunk in chunks:
         validate(chunk.model_dump(exclude_unset=True), "CreateChatCompletionStreamResponse")
     streamed: dict[int, dict] = {}
+    fragments = 0
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.index not in streamed:  # OpenAI's first delta: id, type, name, no arguments yet
+                assert delta.id and delta.type == "function" and delta.function.name
+                assert delta.function.arguments == ""
+            else:  # then the arguments, as the model writes them
+                assert delta.id is None and delta.function.name is None
+                fragments += 1
             call = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
     assert [streamed[i] for i in sorted(streamed)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
     ]
+    assert fragments > 2 * len(streamed)  # not one whole call per delta
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # The call and its result go back through the template for the next turn.

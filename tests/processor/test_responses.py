@@ -4,6 +4,8 @@ completes the stop string (vLLM's rule), however the stage grouped the tokens in
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -72,9 +74,10 @@ def test_streamed_logprobs_are_the_same_entries(tok, size) -> None:
         if choice.finish_reason is not None:
             break  # as the server does: the stage's later replies are not read
         choice.update(reply)
-        chunk = streamed.chunk(choice, choice.delta(), finish=choice.finish_reason is not None)
-        entries += chunk["choices"][0]["logprobs"]["content"]
-        text += chunk["choices"][0]["delta"].get("content", "")
+        for delta in choice.deltas():
+            chunk = streamed.chunk(choice, delta)
+            entries += chunk["choices"][0]["logprobs"]["content"]
+            text += chunk["choices"][0]["delta"].get("content", "")
     body = whole.body()
     assert text == body["choices"][0]["message"]["content"]
     assert entries == body["choices"][0]["logprobs"]["content"]
@@ -89,3 +92,43 @@ def test_without_stop_strings_every_token_counts(tok) -> None:
     body = done.body()
     assert body["choices"][0]["message"]["content"] == TEXT
     assert len(body["choices"][0]["logprobs"]["content"]) == len(ids) == body["usage"]["completion_tokens"]
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+CALLS = (
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_tool_calls_stream_name_first_then_argument_fragments(tok, size) -> None:
+    ids = tok.encode(CALLS, add_special_tokens=False)
+    whole = completion(tok, tools=[TOOL])
+    streamed = completion(tok, tools=[TOOL], stream=True)
+    deltas = []
+    for reply in replies(ids, size):
+        whole.choices[0].update(reply)
+        streamed.choices[0].update(reply)
+        deltas += streamed.choices[0].deltas()
+    message = whole.body()["choices"][0]["message"]
+    assert message["content"] == "Checking."
+    assert [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]] == [
+        "Paris",
+        "Oslo",
+    ]
+    entries = [e for d in deltas for e in d.get("tool_calls", [])]
+    assert all(
+        len({e["index"] for e in d.get("tool_calls", [])}) == len(d.get("tool_calls", [])) for d in deltas
+    )
+    starts = [e for e in entries if "id" in e]
+    assert [(e["index"], e["function"]["name"], e["function"]["arguments"]) for e in starts] == [
+        (0, "get_weather", ""),
+        (1, "get_weather", ""),
+    ]
+    for i, call in enumerate(message["tool_calls"]):
+        fragments = [e["function"]["arguments"] for e in entries if e["index"] == i and "id" not in e]
+        assert "".join(fragments) == call["function"]["arguments"]
+        if size == 1:
+            assert len(fragments) > 3  # the arguments came as the model wrote them
+    assert "".join(d.get("content", "") for d in deltas) == "Checking."
