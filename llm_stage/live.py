@@ -33,10 +33,10 @@ class LiveRequest:
     failure: ErrorReply | None = None  # why it ended with an error, when that was not the engine
 
 
-async def send_replies(live: LiveRequest, stream: bool) -> None:
+async def send_replies(live: LiveRequest, stream: bool) -> ErrorReply | None:
     """Send ``live``'s outputs to its caller until it ends: when ``stream``, one chunk of what came
-    since the last one, else one every :data:`PROGRESS_EVERY` tokens and one at the end; an error
-    reply if it failed."""
+    since the last one, else one every :data:`PROGRESS_EVERY` tokens and one at the end. If it
+    failed, the error to end it with (the caller sends it)."""
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] = []
     prompt: list[TokenLogprobs | None] | None = None
@@ -46,9 +46,7 @@ async def send_replies(live: LiveRequest, stream: bool) -> None:
             outs.append(live.queue.get_nowait())
         last = outs[-1]
         if last.finish_reason == "error":
-            error = live.failure or ErrorReply("engine_error", last.error or "generation failed", 500)
-            await live.reply.send(error)
-            return
+            return live.failure or ErrorReply("engine_error", last.error or "generation failed", 500)
         tokens += [o.token_id for o in outs if o.token_id is not None]
         logprobs += [o.logprobs for o in outs if o.logprobs is not None]
         prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
@@ -59,5 +57,5 @@ async def send_replies(live: LiveRequest, stream: bool) -> None:
         )
         await live.reply.send(chunk, final=last.finish_reason is not None)
         if last.finish_reason is not None:
-            return
+            return None
         tokens, logprobs, prompt = [], [], None

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import SeqStatus, Sequence
+from shared.messages import ErrorReply
 from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Stats, StatsCollector
 
 FAMILIES = [
@@ -119,6 +120,15 @@ class LLMMetrics:
         self.requests = Counter(
             "mmcache_llm_requests", "requests ended, by finish reason", ["finish_reason"], registry=r
         )
+        # NOTE: every error reply to a generate request, whether it came before the engine saw it
+        # (validation, a full queue, a grammar that does not compile) or from the engine or a
+        # failed repair; the latter also count as finish_reason="error" above.
+        self.errors = Counter(
+            "mmcache_llm_request_errors",
+            "generate requests ended with an error reply, by HTTP status and error code",
+            ["status", "code"],
+            registry=r,
+        )
         # NOTE: a repair has the processor encode rows again for a live request; causes: missing
         # (evicted, or never encoded because a cached prefix covered them) and unreachable (an
         # encoder did not answer).
@@ -129,6 +139,9 @@ class LLMMetrics:
             self.repairs.labels(cause)  # every cause is a series from the start
         self._timings: dict[int, _Timing] = {}
         self._unscheduled: dict[int, _Timing] = {}
+
+    def errored(self, error: ErrorReply) -> None:
+        self.errors.labels(str(error.status), error.code).inc()
 
     def fetched(self, seconds: float) -> None:
         self.fetch.observe(seconds)

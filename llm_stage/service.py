@@ -192,12 +192,12 @@ class LLMService:
         try:
             validate(msg, self.spec, self.engine.lm, self.engine.max_model_len)
         except RequestError as exc:
-            await reply.send(ErrorReply(exc.code, str(exc), 400))
+            await self._fail(reply, ErrorReply(exc.code, str(exc), 400))
             return
         if self.engine.load >= self.cfg.max_queue:
             if msg.probe_id:
                 self.engine.release_probe(msg.probe_id)
-            await reply.send(ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
+            await self._fail(reply, ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
             return
         seq = self._sequence(msg)
         if msg.sampling.grammar is not None:
@@ -210,7 +210,8 @@ class LLMService:
             except GrammarError as exc:
                 if msg.probe_id:
                     self.engine.release_probe(msg.probe_id)
-                await reply.send(ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400))
+                error = ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400)
+                await self._fail(reply, error)
                 return
         pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
         live = LiveRequest(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
@@ -222,7 +223,9 @@ class LLMService:
             self.metrics.track(seq, arrived)
             self.engine.submit(seq)
             self._wakeup.set()
-            await send_replies(live, msg.stream)
+            error = await send_replies(live, msg.stream)
+            if error is not None:
+                await self._fail(reply, error)
         finally:
             self.metrics.forget(seq.seq_id)
             self._live.pop(seq.seq_id, None)
@@ -234,6 +237,11 @@ class LLMService:
                 self._wakeup.set()
             if live.pinned:
                 self.rows.release_pins(live, list(live.pinned))
+
+    async def _fail(self, reply: Responder, error: ErrorReply) -> None:
+        """End a generate request with ``error`` (counted by status and code)."""
+        self.metrics.errored(error)
+        await reply.send(error)
 
     # --- the engine loop ----------------------------------------------------------------
 

@@ -185,7 +185,11 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _respond(request: web.Request, completion: Completion) -> web.StreamResponse:
     req = completion.req
-    generation = choices(request.app[DISPATCHER], completion.prepared)
+    generation = choices(
+        request.app[DISPATCHER],
+        completion.prepared,
+        lambda i: completion.choices[i].finish_reason is not None,
+    )
     if req.stream:
         return await _stream(request, generation, completion)
     async with contextlib.aclosing(generation):
@@ -219,8 +223,7 @@ async def _stream(
             choice = completion.choices[item[0]]
             if choice.finish_reason is None:
                 choice.update(item[1])
-                delta = choice.delta()
-                if delta or choice.pending_logprobs:
+                for delta in choice.deltas():
                     await sse(resp, completion.chunk(choice, delta))
                     if record.first_token is None:
                         record.first_token = time.perf_counter()

@@ -23,11 +23,23 @@ class Detokenizer:
         self._sent = 0  # characters of text already handed out
         self.stopped = False
 
-    def add(self, token_ids: list[int]) -> None:
-        """Append generated tokens; sets :attr:`stopped` when a stop string appears."""
-        if not self.stopped:
+    def add(self, token_ids: list[int]) -> int:
+        """Append generated tokens; sets :attr:`stopped` when a stop string appears. Returns how
+        many of them are part of the answer: with stop strings, the tokens after the one that
+        completes a stop string are not (vLLM's rule; :attr:`token_ids` ends with that token)."""
+        if self.stopped:
+            return 0
+        if not self._stop:
             self.token_ids += token_ids
             self._advance(final=False)
+            return len(token_ids)
+        # NOTE: one token at a time, so that the token that completes a stop string is known.
+        for kept, token in enumerate(token_ids, start=1):
+            self.token_ids.append(token)
+            self._advance(final=False)
+            if self.stopped:
+                return kept
+        return len(token_ids)
 
     def flush(self) -> str:
         """All remaining text: call once generation has ended (an incomplete last character
@@ -48,12 +60,10 @@ class Detokenizer:
         self._read = len(self.token_ids)
         start = max(0, len(self.text) - self._hold)
         self.text += new
-        for stop in self._stop:
-            at = self.text.find(stop, start)
-            if at != -1:
-                self.text = self.text[:at]
-                self.stopped = True
-                return
+        found = [at for stop in self._stop if (at := self.text.find(stop, start)) != -1]
+        if found:
+            self.text = self.text[: min(found)]  # the earliest stop string wins
+            self.stopped = True
 
     def safe_delta(self) -> str:
         """Text that can no longer turn into a stop string."""

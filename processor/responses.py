@@ -13,7 +13,7 @@ from processor.detokenizer import Detokenizer
 from processor.pipeline import Prepared
 from processor.request import ChatRequest
 from processor.request_log import RequestRecord
-from processor.tools import ToolCall, ToolStream, split_tool_calls
+from processor.tool_stream import ToolCall, ToolStream, split_tool_calls
 from shared.messages import GenerateChunk
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -46,29 +46,35 @@ class Choice:
     def update(self, chunk: GenerateChunk) -> None:
         if self.finish_reason is not None:
             return  # a stop string ended it; the stage's last tokens are not part of the answer
-        self.num_output_tokens += len(chunk.token_ids)
         self.num_cached_tokens = chunk.num_cached_tokens
-        if self.want_logprobs and chunk.logprobs:
-            self.logprobs += lp_shapes.content(self.text, chunk.token_ids, chunk.logprobs)
         if chunk.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = chunk.prompt_logprobs
-        self.detok.add(chunk.token_ids)
+        # NOTE: a stop string ends the answer at the token that completes it (vLLM's rule): the
+        # tokens after it in this reply count nowhere (usage, token_ids, logprobs).
+        kept = self.detok.add(chunk.token_ids)
+        self.num_output_tokens += kept
+        if self.want_logprobs and chunk.logprobs:
+            self.logprobs += lp_shapes.content(self.text, chunk.token_ids[:kept], chunk.logprobs[:kept])
         if self.detok.stopped:
             self.finish_reason = "stop"
         elif chunk.finish_reason is not None:
             self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
 
-    def delta(self) -> dict:
-        """What to stream now: new text, and each tool call once its block has closed."""
+    def deltas(self) -> list[dict]:
+        """What to stream now, one delta per chunk: new text, and tool calls as their blocks are
+        written (a call's first delta, with its name, is a chunk of its own, as OpenAI's is); an
+        empty delta when only logprobs are new; none when nothing is."""
         final = self.finish_reason is not None
         text = self.detok.flush() if final else self.detok.safe_delta()
-        if self.tools is None:
-            return {"content": text} if text else {}
-        content, calls = self.tools.feed(text, final)
-        out: dict = {"content": content} if content else {}
-        if calls:
-            first = len(self.tools.calls) - len(calls)
-            out["tool_calls"] = [call.as_dict(first + i) for i, call in enumerate(calls)]
+        content, calls = self.tools.feed(text, final) if self.tools is not None else (text, [])
+        out: list[dict] = [{"content": content} if content else {}]
+        for call in calls:
+            entries = out[-1].setdefault("tool_calls", [])
+            if any(e["index"] == call.index for e in entries):  # NOTE: a call once per chunk
+                out.append({"tool_calls": (entries := [])})
+            entries.append(call.as_dict())
+        if out == [{}] and not self.pending_logprobs:
+            return []
         return out
 
     def message(self) -> dict:
@@ -184,6 +190,8 @@ class Completion:
                 }
             ],
         }
+        if self.req.include_usage:
+            out["usage"] = None  # NOTE: OpenAI's: null on every chunk but the last (usage_chunk)
         if self.req.prompt_logprobs is not None and not self._prompt_logprobs_sent:
             prompt = self._prompt_logprobs()
             if prompt is not None:  # NOTE: vLLM's stream carries them once, in the first chunk that can

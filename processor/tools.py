@@ -1,4 +1,4 @@
-"""Tool calling: the request's ``tools`` / ``tool_choice`` and the model's ``<tool_call>`` blocks.
+"""Tool calling: the request's ``tools`` / ``tool_choice`` (the model's blocks: processor.tool_stream).
 
 Qwen2-VL / Qwen2.5-VL checkpoints whose chat template has a tool format list the tools in the
 system turn and answer with blocks ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``;
@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from processor.errors import bad_request
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -119,98 +116,3 @@ def template_tool_calls(calls: Any, where: str) -> list[dict]:
             ) from exc
         out.append({"type": "function", "function": {"name": fn["name"], "arguments": parsed}})
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def as_dict(self, index: int | None = None) -> dict:
-        out: dict = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        if index is not None:
-            out["index"] = index
-        return out
-
-
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text outside ``<tool_call>`` blocks and the calls the blocks hold (a block that is not a
-    call object stays in the text)."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    cursor = 0
-    for block in _BLOCK.finditer(text):
-        call = _call(block.group(1))
-        if call is None:
-            continue
-        kept.append(text[cursor : block.start()])
-        cursor = block.end()
-        calls.append(call)
-    kept.append(text[cursor:])
-    return "".join(kept).strip() if calls else text, calls
-
-
-def _call(payload: str) -> ToolCall | None:
-    try:
-        obj = json.loads(payload)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-class ToolStream:
-    """Streamed text split into content deltas and whole tool calls as their blocks close.
-
-    Text that could still be the start of ``<tool_call>`` is held back, so no part of a block
-    ever leaves as content.
-    """
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self.calls: list[ToolCall] = []
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        self._buf += text
-        content, calls = [], []
-        while True:
-            at = self._buf.find(OPEN)
-            if at == -1:
-                keep = 0 if final else _partial_suffix(self._buf, OPEN)
-                content.append(self._buf[: len(self._buf) - keep])
-                self._buf = self._buf[len(self._buf) - keep :]
-                break
-            end = self._buf.find(CLOSE, at)
-            if end == -1:
-                content.append(self._buf[:at])
-                self._buf = self._buf[at:]
-                if final:  # an unclosed block is text after all
-                    content.append(self._buf)
-                    self._buf = ""
-                break
-            call = _call(self._buf[at + len(OPEN) : end].strip())
-            block_end = end + len(CLOSE)
-            if call is None:
-                content.append(self._buf[:block_end])
-                self._buf = self._buf[block_end:]
-            else:
-                content.append(self._buf[:at].rstrip("\n"))  # the newlines around blocks are not content
-                calls.append(call)
-                self._buf = self._buf[block_end:].lstrip("\n")
-        self.calls += calls
-        return "".join(content), calls
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

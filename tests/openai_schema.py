@@ -36,3 +36,17 @@ def validate(instance: object, name: str) -> None:
         {"$ref": f"spec#/components/schemas/{name}"}, registry=_registry()
     )
     validator.validate(instance)
+
+
+def validate_stream(chunks: list[dict], include_usage: bool) -> None:
+    """Every chunk a valid ``CreateChatCompletionStreamResponse``, and ``usage`` as the schema's
+    description of it says (the copy drops descriptions): with ``stream_options.include_usage``
+    every chunk carries it, null except in the last, which has no choices; without, none does."""
+    for chunk in chunks:
+        validate(chunk, "CreateChatCompletionStreamResponse")
+    if not include_usage:
+        assert all("usage" not in chunk for chunk in chunks)
+        return
+    *body, last = chunks
+    assert all("usage" in chunk and chunk["usage"] is None for chunk in body)
+    assert last["choices"] == [] and last["usage"] is not None

@@ -4,6 +4,7 @@ structured outputs, tool calls, ``n``, logit_bias, conformance with OpenAI's pub
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from typing import Literal
 
@@ -11,14 +12,17 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoTokenizer
 
 from tests.e2e.server import Server, serving
 from tests.e2e.util import metrics
-from tests.openai_schema import validate
+from tests.openai_schema import validate, validate_stream
 
 pytestmark = pytest.mark.e2e
 
 ORIGIN = "https://app.example"
+MAX_STOP_TOKENS = 160  # max_tokens when a stop string should end a choice early
+ABORT_SLACK_TOKENS = 40  # steps a choice may still run after its stop string, until its abort lands
 QUESTION = [{"role": "user", "content": "Name a harbor town and rate it."}]
 SCHEMA = {
     "type": "object",
@@ -111,9 +115,9 @@ def test_response_and_every_stream_chunk_validate_against_openai_schema(server) 
     validate(out, "CreateChatCompletionResponse")
     assert out["choices"][0]["message"]["refusal"] is None
     chunks = raw_stream(server, {**body, "stream_options": {"include_usage": True}})
-    for chunk in chunks:
-        validate(chunk, "CreateChatCompletionStreamResponse")
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    validate_stream(chunks, include_usage=True)  # usage: null on every chunk before the last
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    validate_stream(raw_stream(server, body), include_usage=False)
 
 
 def test_logprobs_validate_against_openai_schema(server) -> None:
@@ -198,17 +202,86 @@ def test_n_two_gives_two_choices_from_one_prefill(server) -> None:
     again = raw(server, {"messages": long_question, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3})
     assert [c["message"] for c in again["choices"]] == [c["message"] for c in out["choices"]]
     chunks = raw_stream(
-        server, {"messages": long_question, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3}
+        server,
+        {
+            "messages": long_question,
+            "max_tokens": 6,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 3,
+            "stream_options": {"include_usage": True},
+        },
     )
-    for chunk in chunks:
-        validate(chunk, "CreateChatCompletionStreamResponse")
+    validate_stream(chunks, include_usage=True)
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
     for c in out["choices"]:
         text = "".join(
             ch["choices"][0]["delta"].get("content", "")
-            for ch in chunks
+            for ch in chunks[:-1]
             if ch["choices"][0]["index"] == c["index"]
         )
         assert text == c["message"]["content"]
+
+
+def _generated_tokens(server: Server) -> float:
+    """The LLM stage's generated-token counter, once no sequence is left running there (an
+    aborted one may take a step or two to go)."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = metrics(server)
+        idle = now["mmcache_llm_requests_running"] + now["mmcache_llm_requests_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return now["mmcache_llm_generation_tokens_total"]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("stream", "first"),
+    [(False, False), (True, False), (False, True)],
+    ids=["whole", "streamed", "first_reply"],
+)
+def test_a_choice_ended_by_its_stop_string_stops_generating(server, baseline, stream, first) -> None:
+    """With n = 2, the choice that meets its stop string is aborted at the LLM stage then (not run
+    on until the other choice ends and dropped), also when its very first reply holds it; the
+    answers are unchanged, with caches on and off."""
+    body = {"messages": QUESTION, "temperature": 1.0, "seed": 11, "ignore_eos": True, "n": 2}
+    unstopped = raw(server, {**body, "max_tokens": MAX_STOP_TOKENS, "return_token_ids": True})["choices"]
+    full = [c["message"]["content"] for c in unstopped]
+    # A stop string early in choice 0's text that choice 1's never holds: choice 1 runs to max_tokens.
+    if first:  # choice 0's first token: it ends with the first reply
+        stop = AutoTokenizer.from_pretrained(server.model).decode(unstopped[0]["token_ids"][:1])
+        assert stop and stop not in full[1]
+    else:
+        stop = next(full[0][i : i + 4] for i in range(4, 40) if full[0][i : i + 4] not in full[1])
+    request = {**body, "max_tokens": MAX_STOP_TOKENS, "stop": [stop]}
+    before = _generated_tokens(server)
+    if stream:
+        chunks = raw_stream(server, {**request, "stream_options": {"include_usage": True}})
+        validate_stream(chunks, include_usage=True)
+        usage = chunks[-1]["usage"]
+        answers = [
+            "".join(
+                c["choices"][0]["delta"].get("content", "")
+                for c in chunks[:-1]
+                if c["choices"][0]["index"] == i
+            )
+            for i in range(2)
+        ]
+        ends = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks[:-1]}
+    else:
+        out = raw(server, request)
+        usage = out["usage"]
+        answers = [c["message"]["content"] for c in out["choices"]]
+        ends = {c["index"]: c["finish_reason"] for c in out["choices"]}
+    generated = _generated_tokens(server) - before
+    assert ends == {0: "stop", 1: "length"}
+    assert answers == [full[0][: full[0].index(stop)], full[1]]
+    kept = usage["completion_tokens"] - MAX_STOP_TOKENS  # choice 0's tokens, through its stop string
+    assert kept == 1 if first else 1 < kept < 40
+    # Unaborted, choice 0 would run on while choice 1 generates: 2 * max_tokens in all.
+    assert kept + MAX_STOP_TOKENS <= generated <= kept + MAX_STOP_TOKENS + ABORT_SLACK_TOKENS
+    off = raw(baseline, request)
+    assert [c["message"]["content"] for c in off["choices"]] == answers
 
 
 def test_logit_bias_bans_a_token(server) -> None:
@@ -288,13 +361,12 @@ def test_openai_parse_with_pydantic(client, server) -> None:
     assert isinstance(town, Town) and town.kind in ("port", "village", "city")
 
 
-def test_greedy_structured_answer_is_the_same_with_caches_off(server, tiny_model) -> None:
+def test_greedy_structured_answer_is_the_same_with_caches_off(server, baseline) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "town", "schema": SCHEMA}}
     body = {"messages": QUESTION, "response_format": fmt, "temperature": 0, "max_tokens": 120}
     first, second = raw(server, body), raw(server, body)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the hit is real
-    with serving(tiny_model, "--no-cache") as off:
-        cold = raw(off, body)
+    cold = raw(baseline, body)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert first["choices"][0]["message"] == second["choices"][0]["message"] == cold["choices"][0]["message"]
 
@@ -340,14 +412,22 @@ def test_forced_tool_calls_validate_and_stream_the_same(client, server, choice, 
     for chunk in chunks:
         validate(chunk.model_dump(exclude_unset=True), "CreateChatCompletionStreamResponse")
     streamed: dict[int, dict] = {}
+    fragments = 0
     for chunk in chunks:
         for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.index not in streamed:  # OpenAI's first delta: id, type, name, no arguments yet
+                assert delta.id and delta.type == "function" and delta.function.name
+                assert delta.function.arguments == ""
+            else:  # then the arguments, as the model writes them
+                assert delta.id is None and delta.function.name is None
+                fragments += 1
             call = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
             call["name"] += delta.function.name or ""
             call["arguments"] += delta.function.arguments or ""
     assert [streamed[i] for i in sorted(streamed)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls
     ]
+    assert fragments > 2 * len(streamed)  # not one whole call per delta
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     # The call and its result go back through the template for the next turn.

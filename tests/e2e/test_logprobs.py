@@ -7,12 +7,15 @@ the non-streaming and the streaming shape, cold and warm (prefix cache hit).
 
 from __future__ import annotations
 
+import json
 import math
+import urllib.request
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests import media
-from tests.e2e.server import serving
+from tests.e2e.server import Server, serving
 from tests.e2e.test_exactness import reference_inputs
 from tests.hf_reference import hf_greedy_logprobs, load
 
@@ -132,3 +135,59 @@ def test_no_logprobs_unless_asked(server) -> None:
     assert status == 200, body
     assert body["choices"][0]["logprobs"] is None
     assert "prompt_logprobs" not in body
+
+
+def _sse(server: Server, body: dict) -> list[dict]:
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_stop_string_ends_the_logprobs_with_the_text(served) -> None:
+    """The logprobs cover the answer's tokens: through the one that completes the stop string (as
+    vLLM does), not the ones the stage generated after it; streamed and not alike."""
+    tokenizer = AutoTokenizer.from_pretrained(served.model)
+    body = {
+        "model": served.model.name,
+        "messages": _messages(),
+        "temperature": 0,
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    status, plain = served.post("/v1/chat/completions", body)
+    assert status == 200, plain
+    ids = plain["choices"][0]["token_ids"]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    # A stop string that starts inside the 4th token's text and ends in a later one.
+    at = len(tokenizer.decode(ids[:3], skip_special_tokens=True)) + 1
+    stop = text[at : at + 6]
+    kept = next(
+        k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k], skip_special_tokens=True)
+    )
+    assert kept < len(ids) - 4  # the stage would go on without the stop string
+    status, cut = served.post("/v1/chat/completions", {**body, "stop": [stop]})
+    assert status == 200, cut
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == text[: text.index(stop)]
+    assert choice["token_ids"] == ids[:kept]
+    assert cut["usage"]["completion_tokens"] == kept
+    entries = choice["logprobs"]["content"]
+    before = plain["choices"][0]["logprobs"]["content"][:kept]
+    assert [e["token"] for e in entries] == [e["token"] for e in before]
+    # NOTE: within TOL, not equal: the second request's prompt is a prefix-cache hit.
+    assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in before], abs=TOL)
+    chunks = _sse(served, {**body, "stop": [stop]})
+    streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
+    assert streamed == entries
+    assert (
+        "".join(ch["delta"].get("content", "") for c in chunks for ch in c["choices"])
+        == text[: text.index(stop)]
+    )

@@ -5,16 +5,21 @@ prometheus_client's parser types every family; the processor logs one line per r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmcache.scrape import Samples, endpoints, fetch_text, scrape_endpoints
+from shared.messages import ErrorReply, GenerateRequest, SamplingParams
+from shared.rpc import RemoteError, RpcClient
 from tests.e2e.server import serving
 from tests.e2e.util import image_part
 from tests.media import image_bytes
@@ -147,6 +152,36 @@ def test_errors_are_counted_by_status_and_code(server):
     assert delta(after, before, "processor", "mmcache_processor_requests_total", **labels) == 1
     assert delta(after, before, "processor", "mmcache_processor_e2e_request_latency_seconds_count") == 1
     assert delta(after, before, "llm", "mmcache_llm_e2e_request_latency_seconds_count") == 0
+
+
+async def _bad_generate(address: str) -> ErrorReply:
+    """A generate request the LLM replica must refuse (a token id outside the vocabulary), sent to
+    it over ZeroMQ as the processor would (the processor never sends one: it tokenizes itself)."""
+    ctx = zmq.Context()
+    client = RpcClient(ctx, address, "llm")
+    request = GenerateRequest(
+        torch.tensor([1 << 30], dtype=torch.int32), [], [], [], SamplingParams(max_tokens=4)
+    )
+    try:
+        async with client.stream(request, timeout=30) as replies:
+            return await anext(aiter(replies))
+    except RemoteError as exc:
+        return exc.reply
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+
+
+def test_llm_stage_counts_error_replies_by_status_and_code(server):
+    llm = next(ep for ep in endpoints(server.url) if ep.stage == "llm")
+    before = scrape_stages(server)
+    error = asyncio.run(_bad_generate(llm.address))
+    after = scrape_stages(server)
+    assert isinstance(error, ErrorReply) and (error.status, error.code) == (400, "bad_prompt")
+    labels = {"status": "400", "code": "bad_prompt"}
+    assert delta(after, before, "llm", "mmcache_llm_request_errors_total", **labels) == 1
+    assert delta(after, before, "llm", "mmcache_llm_request_errors_total") == 1
+    assert delta(after, before, "llm", "mmcache_llm_requests_total") == 0  # never reached the engine
 
 
 def test_every_endpoint_passes_promtool_and_is_fully_typed(server):

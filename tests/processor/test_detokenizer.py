@@ -235,3 +235,18 @@ def test_stop_string_with_multibyte_characters(tok):
         assert detok.stopped
         assert "".join(pieces) == "café 日本"
         assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("max_step", [1, 3, 50])
+def test_tokens_end_at_the_one_that_completes_the_stop_string(tok, max_step):
+    """vLLM's rule: the answer's tokens run through the token in which the stop string completes
+    (its text is cut there); the tokens after it are dropped, even within one ``add``."""
+    ids = tok.encode("the baker pulled golden loaves from a brick oven", add_special_tokens=False)
+    completes = next(k for k in range(1, len(ids) + 1) if "golden loaves" in reference(tok, ids[:k]))
+    detok = Detokenizer(tok, ["golden loaves"])
+    kept = []
+    for i in range(0, len(ids), max_step):
+        kept.append(detok.add(ids[i : i + max_step]))
+    assert detok.stopped and detok.token_ids == ids[:completes]
+    assert sum(kept) == completes
+    assert detok.flush() == "the baker pulled "

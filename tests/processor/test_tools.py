@@ -1,8 +1,6 @@
-"""Tool-call blocks out of model text, whole and streamed in arbitrary pieces; CORS preflights."""
+"""The request's tools through the chat template; CORS preflights."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 from aiohttp import web
@@ -11,49 +9,7 @@ from processor.cors import setup_cors
 from processor.errors import APIError, error_middleware
 from processor.prompt import PromptBuilder
 from processor.request import parse_chat_request
-from processor.tools import ToolStream, split_tool_calls
 from shared.checkpoint import ModelSpec
-
-TEXT = (
-    "Let me check.\n<tool_call>\n"
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
-)
-
-
-def test_split_finds_every_call_and_keeps_the_text() -> None:
-    content, calls = split_tool_calls(TEXT)
-    assert content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris"}),
-        ("get_time", {}),
-    ]
-    assert len({c.id for c in calls}) == 2
-
-
-def test_a_block_that_is_not_a_call_stays_text() -> None:
-    text = "<tool_call>\nnot json\n</tool_call> and <tool_call>{broken"
-    assert split_tool_calls(text) == (text, [])
-
-
-@pytest.mark.parametrize("size", [1, 3, 7, len(TEXT)])
-def test_streamed_pieces_give_the_same_calls_and_no_block_text(size: int) -> None:
-    stream = ToolStream()
-    content, calls = "", []
-    pieces = [TEXT[i : i + size] for i in range(0, len(TEXT), size)]
-    for i, piece in enumerate(pieces):
-        text, new = stream.feed(piece, final=i == len(pieces) - 1)
-        content += text
-        calls += new
-        assert "tool_call" not in text  # no part of a block leaves as content
-    assert content.strip() == "Let me check."
-    assert [c.name for c in calls] == ["get_weather", "get_time"]
-
-
-def test_an_unclosed_block_is_text_at_the_end() -> None:
-    stream = ToolStream()
-    assert stream.feed("hi <tool") == ("hi ", [])
-    assert stream.feed('_call>{"name"', final=True) == ('<tool_call>{"name"', [])
 
 
 async def hello(request: web.Request) -> web.Response:
