@@ -164,9 +164,10 @@ class LLMMetrics:
                 self.queue.observe(started - t.submitted)
                 del self._unscheduled[seq_id]
         for out in outputs:
-            t = self._timings.get(out.seq_id)
-            if t is None:
+            timing = self._timings.get(out.seq_id)
+            if timing is None:
                 continue
+            t = timing
             if out.token_id is not None:
                 self.generation_tokens.inc()
                 if t.last_token is None:

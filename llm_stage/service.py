@@ -223,9 +223,9 @@ class LLMService:
             self.metrics.track(seq, arrived)
             self.engine.submit(seq)
             self._wakeup.set()
-            error = await send_replies(live, msg.stream)
-            if error is not None:
-                await self._fail(reply, error)
+            ended = await send_replies(live, msg.stream)
+            if ended is not None:
+                await self._fail(reply, ended)
         finally:
             self.metrics.forget(seq.seq_id)
             self._live.pop(seq.seq_id, None)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import zmq
 from aiohttp import web
@@ -202,7 +202,7 @@ async def _respond(request: web.Request, completion: Completion) -> web.StreamRe
 
 async def _stream(
     request: web.Request,
-    generation: AsyncIterator[tuple[int, GenerateChunk]],
+    generation: AsyncGenerator[tuple[int, GenerateChunk], None],
     completion: Completion,
 ) -> web.StreamResponse:
     # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.

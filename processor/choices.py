@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from processor.dispatch import Dispatcher
 from processor.pipeline import Prepared
@@ -23,7 +23,7 @@ _DONE = object()
 
 async def choices(
     dispatcher: Dispatcher, prepared: Prepared, finished: Callable[[int], bool]
-) -> AsyncIterator[tuple[int, GenerateChunk]]:
+) -> AsyncGenerator[tuple[int, GenerateChunk], None]:
     """(choice index, reply) as they come; leaving early aborts every choice still generating.
 
     ``finished(i)``: has the caller done with choice ``i`` (read after each of its replies has
@@ -45,7 +45,7 @@ async def choices(
         raise
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, replies: AsyncIterator[GenerateChunk]) -> None:
+    async def pump(index: int, replies: AsyncGenerator[GenerateChunk, None]) -> None:
         try:
             async with contextlib.aclosing(replies):
                 async for reply in replies:

@@ -82,10 +82,10 @@ class Choice:
         calls: list[ToolCall] = []
         if self.tools is not None:
             text, calls = split_tool_calls(text)
+            self.tools.calls = calls
         message: dict = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
-            self.tools.calls = calls
         return message
 
     @property

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")  # the first present holds the call's arguments
@@ -78,7 +79,7 @@ def _whole_call(payload: str) -> ToolCall | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in ARGUMENT_KEYS if k in obj), {})
+    args: object = next((obj[k] for k in ARGUMENT_KEYS if k in obj), {})
     return _new_call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
@@ -90,7 +91,7 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def _header(text: str) -> tuple[str, int] | bool | None:
+def _header(text: str) -> tuple[str, int] | Literal[False] | None:
     """``{"name": "<name>"`` at the start of ``text`` (whitespace allowed): (name, end), None while
     ``text`` is a prefix of one, False when it cannot become one."""
     i = 0

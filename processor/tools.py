@@ -81,7 +81,7 @@ def _function(tool: Any, where: str) -> dict:
     name = fn.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise bad_request(f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}", "invalid_tools", where)
-    out = {"name": name}
+    out: dict[str, object] = {"name": name}
     if fn.get("description") is not None:
         if not isinstance(fn["description"], str):
             raise bad_request(f"{where}.function.description must be a string", "invalid_tools", where)
