@@ -148,12 +148,12 @@ def _sse(server: Server, body: dict) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_a_stop_string_ends_the_logprobs_with_the_text(served) -> None:
+def test_a_stop_string_ends_the_logprobs_with_the_text(server) -> None:
     """The logprobs cover the answer's tokens: through the one that completes the stop string (as
     vLLM does), not the ones the stage generated after it; streamed and not alike."""
-    tokenizer = AutoTokenizer.from_pretrained(served.model)
+    tokenizer = AutoTokenizer.from_pretrained(server.model)
     body = {
-        "model": served.model.name,
+        "model": server.model.name,
         "messages": _messages(),
         "temperature": 0,
         "max_tokens": 24,
@@ -161,7 +161,7 @@ def test_a_stop_string_ends_the_logprobs_with_the_text(served) -> None:
         "logprobs": True,
         "return_token_ids": True,
     }
-    status, plain = served.post("/v1/chat/completions", body)
+    status, plain = server.post("/v1/chat/completions", body)
     assert status == 200, plain
     ids = plain["choices"][0]["token_ids"]
     text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -172,7 +172,7 @@ def test_a_stop_string_ends_the_logprobs_with_the_text(served) -> None:
         k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k], skip_special_tokens=True)
     )
     assert kept < len(ids) - 4  # the stage would go on without the stop string
-    status, cut = served.post("/v1/chat/completions", {**body, "stop": [stop]})
+    status, cut = server.post("/v1/chat/completions", {**body, "stop": [stop]})
     assert status == 200, cut
     choice = cut["choices"][0]
     assert choice["finish_reason"] == "stop"
@@ -184,7 +184,7 @@ def test_a_stop_string_ends_the_logprobs_with_the_text(served) -> None:
     assert [e["token"] for e in entries] == [e["token"] for e in before]
     # NOTE: within TOL, not equal: the second request's prompt is a prefix-cache hit.
     assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in before], abs=TOL)
-    chunks = _sse(served, {**body, "stop": [stop]})
+    chunks = _sse(server, {**body, "stop": [stop]})
     streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
     assert streamed == entries
     assert (
