@@ -1,44 +1,85 @@
-"""A multi-node Swarm (three docker-in-docker nodes): ``docker stack deploy`` of compose.yaml
-across the nodes answers as under compose, and ``docker service scale`` of the encoder from 1 to
-3 is picked up live: the new replicas, on other nodes, get shards."""
+"""A multi-node Swarm (three docker-in-docker nodes, one Swarm for the module): ``docker stack
+deploy`` of compose.yaml across the nodes answers as under compose; ``docker service scale`` of
+the encoder from 1 to 3 is picked up live (the new replicas, on other nodes, get shards); and a
+worker cut off the network under a streaming load fails no request, after which the replacement
+tasks Swarm starts elsewhere are found and serve."""
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 from tests.deploy.docker import ROOT, answers, bodies, get, replica_metrics, up_replicas, wait_for
 from tests.deploy.swarm import Swarm
+from tests.e2e.streams import check_unchanged, failover_counters, failover_delta, run_all, stream_bodies
 
 pytestmark = pytest.mark.deploy
 
 STARTUP = 420  # seconds: the stage containers of three nodes load torch on two cores
+SERVICES = ("mmcache_encoder", "mmcache_llm", "mmcache_processor")
+CONCURRENT = 30
+MAX_TOKENS = 96  # long enough that every stream is still going when the node is cut
 
 
-def test_stack_deploys_across_nodes_and_scales_live(image, reference):
+@pytest.fixture(scope="module")
+def swarm(image):
+    """Three nodes with the image, the stack deployed, the processor on the manager (node 0)."""
     started = time.monotonic()
-    swarm = Swarm(3)
+    s = Swarm(3)
     try:
-        swarm.load(image)
+        s.load(image)
         print(f"\nswarm of 3 up and the image loaded into each in {time.monotonic() - started:.0f} s")
         env = {"MMCACHE_IMAGE": image, "PORT": "8000", "MMCACHE_TORCH_THREADS": "1"}
-        swarm.deploy("mmcache", str(ROOT / "compose.yaml"), env)
+        files = [str(ROOT / "compose.yaml"), str(ROOT / "tests/deploy/processor-on-manager.yaml")]
+        s.deploy("mmcache", files, env)
+        yield s
+    finally:
+        s.close()
+
+
+@contextmanager
+def tasks_shown(swarm: Swarm):
+    """On a failure, print where each task runs and what became of it."""
+    try:
+        yield
+    except BaseException:
+        print(swarm.manage("service", "ps", *SERVICES, check=False))
+        raise
+
+
+def processor_url(swarm: Swarm) -> str:
+    def up() -> str | None:
+        if not any(s.startswith("Running") for _, s in swarm.tasks("mmcache_processor")):
+            return None
+        url = f"http://{swarm.ip(swarm.nodes[0])}:8000"  # host-mode port on the manager
+        return url if get(url + "/health", timeout=10)[0] == 200 else None
+
+    return wait_for("the stack", up, STARTUP, every=3)
+
+
+def wait_replicas(base: str, encoders: int, llms: int) -> None:
+    wait_for(
+        f"{encoders} encoder(s) and {llms} LLM replicas up",
+        lambda: len(up_replicas(base, "encoder")) == encoders and len(up_replicas(base, "llm")) == llms,
+        STARTUP,
+        every=3,
+    )
+
+
+def replica_ids(base: str, stage: str) -> set[str]:
+    """Ids of the ``stage`` replicas answering the processor now."""
+    _, body = get(base + "/health")
+    return {r["id"] for r in body["stages"] if r["stage"] == stage and r["ok"]}
+
+
+def test_stack_deploys_across_nodes_and_scales_live(swarm, reference):
+    with tasks_shown(swarm):
         swarm.manage("service", "scale", "-d", "mmcache_encoder=1", "mmcache_llm=2")
-
-        def processor_url() -> str | None:
-            running = [n for n, state in swarm.tasks("mmcache_processor") if state.startswith("Running")]
-            if not running:
-                return None
-            url = f"http://{swarm.ip(running[0])}:8000"  # host-mode port on the node that runs it
-            return url if get(url + "/health", timeout=10)[0] == 200 else None
-
-        base = wait_for("the stack", processor_url, STARTUP, every=3)
-        wait_for(
-            "1 encoder and 2 LLM replicas up",
-            lambda: len(up_replicas(base, "encoder")) == 1 and len(up_replicas(base, "llm")) == 2,
-            STARTUP,
-        )
+        base = processor_url(swarm)
+        wait_replicas(base, 1, 2)
         assert answers(base, reference["bodies"]) == reference["answers"]
         before = set(replica_metrics(base)["encoder_chunks_encoded"])
 
@@ -51,9 +92,84 @@ def test_stack_deploys_across_nodes_and_scales_live(image, reference):
         encoded = replica_metrics(base)["encoder_chunks_encoded"]
         new = set(encoded) - before
         assert len(new) == 2 and all(encoded[a] > 0 for a in new), encoded  # the new ones hold shards
-    except BaseException:
-        services = ("mmcache_encoder", "mmcache_llm", "mmcache_processor")
-        print(swarm.manage("service", "ps", *services, check=False))
-        raise
-    finally:
-        swarm.close()
+
+
+class Watch(threading.Thread):
+    """From the cut on, once a second: when Swarm marks the node Down, and when a replica id not
+    seen before answers the processor (the replacement task, found by its name)."""
+
+    def __init__(self, swarm: Swarm, node: str, base: str, seen: set[str]):
+        super().__init__(daemon=True)
+        self.swarm, self.node, self.base, self.seen = swarm, node, base, seen
+        self.cut_at = time.monotonic()
+        self.down: float | None = None
+        self.replaced: float | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        deadline = self.cut_at + STARTUP
+        while not self.stop.wait(1.0) and time.monotonic() < deadline:
+            try:
+                if self.down is None and self.swarm.status(self.node) == "down":
+                    self.down = time.monotonic() - self.cut_at
+                if self.replaced is None and replica_ids(self.base, "llm") - self.seen:
+                    self.replaced = time.monotonic() - self.cut_at
+            except (AssertionError, OSError, ValueError):  # a busy manager or processor: next round
+                continue
+            if self.down is not None and self.replaced is not None:
+                return
+
+
+def test_worker_cut_off_the_network_fails_nothing_and_its_tasks_are_replaced(swarm, reference):
+    with tasks_shown(swarm):
+        swarm.manage("service", "scale", "-d", "mmcache_encoder=2", "mmcache_llm=2")
+        base = processor_url(swarm)
+        wait_replicas(base, 2, 2)
+        # The worker to cut: one with an LLM task (spread puts the two on two nodes), an encoder too
+        # if one has both.
+        llm_nodes = [n for n, s in swarm.tasks("mmcache_llm") if s.startswith("Running")]
+        enc_nodes = [n for n, s in swarm.tasks("mmcache_encoder") if s.startswith("Running")]
+        workers = [n for n in llm_nodes if n != swarm.nodes[0]]
+        assert workers, llm_nodes
+        node = max(workers, key=lambda n: (enc_nodes.count(n), n))
+        print(f"\nLLM tasks on {llm_nodes}, encoders on {enc_nodes}; cutting {node}")
+        seen = replica_ids(base, "llm")
+        host = swarm.ip(swarm.nodes[0])
+
+        def load(salt: str, offset: int = 0, count: int = CONCURRENT) -> list[dict]:
+            return stream_bodies(reference["model"], salt, offset, count, MAX_TOKENS)
+
+        def run(requests: list[dict], kill=None):
+            return run_all(host, 8000, requests, kill, after=len(requests), start_timeout=STARTUP)
+
+        want, _ = run(load("uninterrupted"))
+        before = failover_counters(base)
+        watch: list[Watch] = []
+
+        def cut() -> float:
+            at = time.monotonic()
+            swarm.cut(node)
+            watch.append(Watch(swarm, node, base, seen))
+            watch[0].start()
+            return at
+
+        got, cut_at = run(load("cut"), cut)
+        delta = failover_delta(base, before)
+        check_unchanged(f"Swarm: {node} cut off", got, want, delta, cut_at, MAX_TOKENS)
+        assert delta["exhausted"] == 0, delta
+
+        # Swarm marks the node Down and starts its tasks elsewhere; the processor finds the new LLM
+        # replica by the service's name, and it serves new requests.
+        w = watch[0]
+        w.join(timeout=STARTUP)
+        print(f"node Down after {w.down} s, a new LLM replica answering after {w.replaced} s")
+        assert w.down is not None and w.replaced is not None, (w.down, w.replaced)
+        (new,) = replica_ids(base, "llm") - seen
+        after, _ = run(load("after-cut", offset=700, count=12))
+        assert [g.error for g in after] == [None] * len(after)
+        _, health = get(base + "/health")
+        steps = {
+            r["id"]: (r["counters"] or {}).get("steps", 0) for r in health["stages"] if r["stage"] == "llm"
+        }
+        print(f"LLM replicas' steps after the cut: {steps}; migrated {delta['migrated']}")
+        assert steps[new] > 0, steps  # the replacement serves

@@ -11,23 +11,24 @@ repeats nothing. The uninterrupted answers come from the same stack under anothe
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import signal
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import pytest
 import zmq
 
-from mmcache.scrape import scrape
 from shared.messages import Ping
 from shared.rpc import RpcClient
+from tests.e2e.streams import (
+    Started,
+    check_unchanged,
+    failover_counters,
+    failover_delta,
+    run_all,
+    stream,
+    stream_bodies,
+)
 from tests.e2e.test_replicas import Stack
-from tests.e2e.util import chat, image_part
-from tests.media import image_bytes
 
 pytestmark = pytest.mark.e2e
 
@@ -35,93 +36,12 @@ CONCURRENT = 24
 MAX_TOKENS = 96  # long enough that every stream is still going when the replica is killed
 
 
-@dataclass
-class Streamed:
-    text: str = ""
-    completion_tokens: int = -1
-    error: str | None = None
-    arrivals: list[float] = field(default_factory=list)  # monotonic time of each content delta
-
-
 def bodies(salt: str, offset: int) -> list[dict]:
-    out = []
-    for i in range(CONCURRENT):
-        img = image_bytes(160 + 16 * (i % 4), 160, seed=offset + i)
-        extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}  # a third sampled
-        body = chat("qwen2-vl", [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
-        body.update(max_tokens=MAX_TOKENS, ignore_eos=True, stream=True, cache_salt=salt)
-        body["stream_options"] = {"include_usage": True}
-        out.append(body)
-    return out
+    return stream_bodies("qwen2-vl", salt, offset, CONCURRENT, MAX_TOKENS)
 
 
-class Started:
-    """How many streams have had their first tokens."""
-
-    def __init__(self):
-        self.count = 0
-        self.cond = threading.Condition()
-
-    def one(self) -> None:
-        with self.cond:
-            self.count += 1
-            self.cond.notify_all()
-
-    def wait(self, n: int, timeout: float) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: self.count >= n, timeout), (
-                f"{self.count} of {n} streams started"
-            )
-
-
-def stream(port: int, body: dict, started: Started) -> Streamed:
-    """POST ``body`` and read its server-sent events to the end."""
-    out = Streamed()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    first = True
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-            return out
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                out.error = json.dumps(event["error"])
-            if event.get("usage"):
-                out.completion_tokens = event["usage"]["completion_tokens"]
-            for choice in event.get("choices", []):
-                content = choice["delta"].get("content")
-                if content:
-                    out.text += content
-                    out.arrivals.append(time.monotonic())
-                    if first:
-                        first = False
-                        started.one()
-    except Exception as exc:  # the test counts it as failed
-        out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-        if first:
-            started.one()  # never leave the killer waiting on one that ended early
-    return out
-
-
-def run_all(stack: Stack, load: list[dict], kill=None, after: int = 0) -> tuple[list[Streamed], float]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens."""
-    started = Started()
-    with ThreadPoolExecutor(len(load)) as pool:
-        futures = [pool.submit(stream, stack.port, b, started) for b in load]
-        killed_at = 0.0
-        if kill is not None:
-            started.wait(after, timeout=120)
-            killed_at = time.monotonic()
-            kill()
-        return [f.result() for f in futures], killed_at
+def run(stack: Stack, load: list[dict], kill=None, after: int = 0):
+    return run_all("127.0.0.1", stack.port, load, kill, after)
 
 
 def llm_loads(addresses: list[str]) -> list[int]:
@@ -142,41 +62,12 @@ def llm_loads(addresses: list[str]) -> list[int]:
 
 
 def counters(stack: Stack) -> dict[str, float]:
-    """The processor's failover counters (its own /metrics)."""
-    m = scrape(stack.url + "/metrics")
-    return {
-        "retried": m.total("mmcache_processor_failover_retries_total", stage="llm"),
-        "migrated": m.total("mmcache_processor_failover_migrations_total"),
-        "encoder_retried": m.total("mmcache_processor_failover_retries_total", stage="encoder"),
-        "repairs": m.total("mmcache_processor_repairs_total"),
-        "exhausted": m.total("mmcache_processor_failover_exhausted_total"),
-    }
+    return failover_counters(stack.url)
 
 
-def check(name: str, stack: Stack, got: list[Streamed], want: list[Streamed], before: dict, killed_at: float):
-    after = counters(stack)
-    delta = {k: int(after[k] - before[k]) for k in after}
-    failed = [g.error for g in got if g.error is not None]
-    # The longest wait for a next token that spans the kill: what a moved stream lost.
-    lost = max(
-        (
-            b - a
-            for g in got
-            for a, b in zip(g.arrivals, g.arrivals[1:], strict=False)
-            if a <= killed_at + 0.05 and b >= killed_at
-        ),
-        default=0.0,
-    )
-    print(
-        f"\n{name}: sent {len(got)} succeeded {len(got) - len(failed)} retried {delta['retried']} "
-        f"migrated {delta['migrated']} encoder retries {delta['encoder_retried']} repairs {delta['repairs']} "
-        f"failed {len(failed)}; longest gap across the kill {lost * 1000:.0f} ms"
-    )
-    assert not failed, failed[:3]
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert w.error is None and w.completion_tokens == MAX_TOKENS, (i, w.error)
-        # no token lost or repeated: the same text and the same token count as uninterrupted
-        assert (g.text, g.completion_tokens) == (w.text, w.completion_tokens), i
+def check(name: str, stack: Stack, got, want, before: dict, killed_at: float) -> dict[str, int]:
+    delta = failover_delta(stack.url, before)
+    check_unchanged(name, got, want, delta, killed_at, MAX_TOKENS)
     return delta
 
 
@@ -188,23 +79,23 @@ def stack(tiny_model):
 
 
 def test_encoder_killed_mid_load_fails_nothing(stack):
-    want, _ = run_all(stack, bodies("uninterrupted-enc", 500))
+    want, _ = run(stack, bodies("uninterrupted-enc", 500))
     before = counters(stack)
     encoder = stack.procs[0]
     # killed as the first stream starts: the others are still being encoded or fetching rows
     kill = lambda: encoder.send_signal(signal.SIGKILL)  # noqa: E731
-    got, killed_at = run_all(stack, bodies("killed-enc", 500), kill, after=1)
+    got, killed_at = run(stack, bodies("killed-enc", 500), kill, after=1)
     encoder.wait(timeout=10)
     delta = check("encoder killed", stack, got, want, before, killed_at)
     # the kill really hit requests in flight: encoded again at the next owner, or repaired
     assert delta["encoder_retried"] + delta["repairs"] > 0, delta
     # new requests after the kill: encoded at the survivor, no error
-    again, _ = run_all(stack, bodies("after-enc", 700))
+    again, _ = run(stack, bodies("after-enc", 700))
     assert all(g.error is None and g.completion_tokens == MAX_TOKENS for g in again)
 
 
 def test_llm_killed_mid_stream_migrates_streams(stack):
-    want, _ = run_all(stack, bodies("uninterrupted-llm", 900))
+    want, _ = run(stack, bodies("uninterrupted-llm", 900))
     before = counters(stack)
     killed = []
 
@@ -216,7 +107,7 @@ def test_llm_killed_mid_stream_migrates_streams(stack):
         killed[0].send_signal(signal.SIGKILL)
 
     # killed once every stream has its first tokens: each of its streams moves mid-answer
-    got, killed_at = run_all(stack, bodies("killed-llm", 900), kill, after=CONCURRENT)
+    got, killed_at = run(stack, bodies("killed-llm", 900), kill, after=CONCURRENT)
     killed[0].wait(timeout=10)
     delta = check("LLM replica killed", stack, got, want, before, killed_at)
     assert delta["migrated"] > 0  # streams really moved mid-answer
@@ -232,7 +123,7 @@ def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack):
             proc.wait(timeout=10)
     before = counters(stack)
     t0 = time.monotonic()
-    got = stream(stack.port, bodies("nothing-left", 1100)[0], Started())
+    got = stream("127.0.0.1", stack.port, bodies("nothing-left", 1100)[0], Started())
     elapsed = time.monotonic() - t0
     print(f"\nno LLM replica left: {got.error} after {elapsed:.2f} s")
     assert got.error is not None and "503" in got.error and "stage_unavailable" in got.error, got.error

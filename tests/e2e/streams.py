@@ -1,0 +1,174 @@
+"""Concurrent streaming load for the kill tests (loopback processes, compose, Swarm): each stream's
+text, completion token count and the time of each delta, the processor's failover counters, and
+the check that a run with a kill in it answered exactly like an uninterrupted one."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from mmcache.scrape import scrape
+from tests.e2e.util import chat, image_part
+from tests.media import image_bytes
+
+
+@dataclass
+class Streamed:
+    text: str = ""
+    completion_tokens: int = -1
+    error: str | None = None
+    arrivals: list[float] = field(default_factory=list)  # monotonic time of each content delta
+
+
+def stream_bodies(model: str, salt: str, offset: int, count: int, max_tokens: int) -> list[dict]:
+    """``count`` streaming requests, each its own image; a third of them seeded sampling. Every
+    answer runs to ``max_tokens`` (``ignore_eos``), so the streams are still going at a kill."""
+    out = []
+    for i in range(count):
+        img = image_bytes(160 + 16 * (i % 4), 160, seed=offset + i)
+        extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}
+        body = chat(model, [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
+        body.update(max_tokens=max_tokens, ignore_eos=True, stream=True, cache_salt=salt)
+        body["stream_options"] = {"include_usage": True}
+        out.append(body)
+    return out
+
+
+class Started:
+    """How many streams have had their first tokens."""
+
+    def __init__(self):
+        self.count = 0
+        self.cond = threading.Condition()
+
+    def one(self) -> None:
+        with self.cond:
+            self.count += 1
+            self.cond.notify_all()
+
+    def wait(self, n: int, timeout: float) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.count >= n, timeout), (
+                f"{self.count} of {n} streams started"
+            )
+
+
+def stream(host: str, port: int, body: dict, started: Started, timeout: float = 120) -> Streamed:
+    """POST ``body`` and read its server-sent events to the end."""
+    out = Streamed()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    first = True
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+            return out
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                out.error = json.dumps(event["error"])
+            if event.get("usage"):
+                out.completion_tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                content = choice["delta"].get("content")
+                if content:
+                    out.text += content
+                    out.arrivals.append(time.monotonic())
+                    if first:
+                        first = False
+                        started.one()
+    except Exception as exc:  # the test counts it as failed
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+        if first:
+            started.one()  # never leave the killer waiting on one that ended early
+    return out
+
+
+def run_all(
+    host: str,
+    port: int,
+    load: list[dict],
+    kill: Callable[[], float | None] | None = None,
+    after: int = 0,
+    start_timeout: float = 120,
+) -> tuple[list[Streamed], float]:
+    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens (it may
+    return the monotonic time the kill itself began, after it chose its target). Returns the
+    streams and the time of the kill (0 without one)."""
+    started = Started()
+    with ThreadPoolExecutor(len(load)) as pool:
+        futures = [pool.submit(stream, host, port, b, started) for b in load]
+        killed_at = 0.0
+        if kill is not None:
+            started.wait(after, timeout=start_timeout)
+            killed_at = time.monotonic()
+            killed_at = kill() or killed_at
+        return [f.result() for f in futures], killed_at
+
+
+def failover_counters(url: str) -> dict[str, float]:
+    """The processor's failover counters (its own /metrics at ``url``)."""
+    m = scrape(url + "/metrics")
+    return {
+        "retried": m.total("mmcache_processor_failover_retries_total", stage="llm"),
+        "migrated": m.total("mmcache_processor_failover_migrations_total"),
+        "encoder_retried": m.total("mmcache_processor_failover_retries_total", stage="encoder"),
+        "repairs": m.total("mmcache_processor_repairs_total"),
+        "exhausted": m.total("mmcache_processor_failover_exhausted_total"),
+    }
+
+
+def failover_delta(url: str, before: dict[str, float]) -> dict[str, int]:
+    """How far each failover counter moved since ``before``."""
+    after = failover_counters(url)
+    return {k: int(after[k] - before[k]) for k in after}
+
+
+def longest_gap(got: list[Streamed], killed_at: float) -> float:
+    """The longest wait for a next token that spans the kill: what a moved stream lost."""
+    return max(
+        (
+            b - a
+            for g in got
+            for a, b in zip(g.arrivals, g.arrivals[1:], strict=False)
+            if a <= killed_at + 0.05 and b >= killed_at
+        ),
+        default=0.0,
+    )
+
+
+def check_unchanged(
+    name: str,
+    got: list[Streamed],
+    want: list[Streamed],
+    delta: dict[str, int],
+    killed_at: float,
+    max_tokens: int,
+) -> float:
+    """Print sent / succeeded / retried / migrated / failed and the longest gap across the kill;
+    assert that nothing failed and every answer (text and token count) is the uninterrupted one.
+    Returns the longest gap in seconds."""
+    failed = [g.error for g in got if g.error is not None]
+    lost = longest_gap(got, killed_at)
+    print(
+        f"\n{name}: sent {len(got)} succeeded {len(got) - len(failed)} retried {delta['retried']} "
+        f"migrated {delta['migrated']} encoder retries {delta['encoder_retried']} repairs {delta['repairs']} "
+        f"failed {len(failed)}; longest gap across the kill {lost * 1000:.0f} ms"
+    )
+    assert not failed, failed[:3]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert w.error is None and w.completion_tokens == max_tokens, (i, w.error)
+        # no token lost or repeated: the same text and the same token count as uninterrupted
+        assert (g.text, g.completion_tokens) == (w.text, w.completion_tokens), i
+    return lost
