@@ -84,6 +84,11 @@ class Swarm:
                           "--format", "{{.Node}} {{.CurrentState}}")  # fmt: skip
         return [(line.split()[0], line.split(" ", 1)[1]) for line in out.splitlines() if line.strip()]
 
+    def containers(self, node: str, service: str) -> list[str]:
+        """Short ids (a task container's host name) of ``service``'s containers running on ``node``."""
+        label = f"label=com.docker.swarm.service.name={service}"
+        return self.run(node, "docker", "ps", "-q", "--filter", label).split()
+
     def status(self, node: str) -> str:
         """The manager's view of ``node``: Ready, Down, ..."""
         return self.manage("node", "inspect", "-f", "{{.Status.State}}", node).strip()
