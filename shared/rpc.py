@@ -9,7 +9,6 @@ or a stream of replies ending with one flagged ``final`` (:meth:`RpcClient.strea
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import itertools
 import logging
@@ -19,158 +18,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from shared.loop_socket import LoopSocket
 from shared.messages import Abort, ErrorReply
 from shared.wire import decode, encode, peek_rid
 
 log = logging.getLogger(__name__)
-
-
-MAX_QUEUED_PER_PEER = 4096  # replies waiting for one peer's room; more are dropped (callers time out)
-
-
-class _Socket:
-    """The one place frames enter and leave a ZeroMQ socket, driven by the event loop directly.
-
-    A plain socket, always used with NOBLOCK, and the loop watching its descriptor. That
-    descriptor only signals that the socket's state *changed*, and any call on the socket may
-    consume the signal. So the socket is touched only here, and every wake-up and every send
-    ends in :meth:`_pump`, which receives while ``EVENTS`` says POLLIN and flushes queued sends
-    while it says POLLOUT: a message can never sit unread behind a consumed signal. (pyzmq's
-    asyncio layer does the same with a future and a poller registration per message; this is
-    one callback per wake-up, and received messages go straight to ``on_message``.)
-
-    Sends that find no room wait in a queue per peer (a ROUTER's first frame names the peer),
-    in order, so a peer that stops reading holds up only its own replies.
-    """
-
-    def __init__(self, ctx: zmq.Context, kind: int, on_message: Callable[[list[Any]], None]):
-        self.sock = zmq.Socket(ctx, kind)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self._router = kind == zmq.ROUTER
-        self._on_message = on_message  # runs in the loop; must not block
-        self._queued: dict[bytes | None, collections.deque[tuple[list[Any], asyncio.Future | None]]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pump_scheduled = False
-        self._pumping = False
-        self._closed = False
-
-    def start(self) -> None:
-        """Start receiving (in the running loop); sending starts it too."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._loop.add_reader(self.sock.FD, self._pump)
-            self._pump_soon()  # messages may have arrived before the descriptor was watched
-
-    def _pump_soon(self) -> None:
-        # NOTE: a pump in progress (this call comes from a handler it runs) checks EVENTS again
-        # when the handler returns.
-        if not self._pump_scheduled and not self._pumping:
-            self._pump_scheduled = True
-            self._loop.call_soon(self._pump)
-
-    def _pump(self) -> None:
-        self._pump_scheduled = False
-        self._pumping = True
-        try:
-            self._drain()
-        finally:
-            self._pumping = False
-
-    def _drain(self) -> None:
-        sock = self.sock
-        while not self._closed:
-            events = sock.get(zmq.EVENTS)
-            progressed = bool(events & zmq.POLLOUT and self._queued and self._flush())
-            if events & zmq.POLLIN:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                progressed = True
-                try:
-                    self._on_message(frames)
-                except Exception:  # keep draining: the next message may be fine
-                    log.exception("dropping a message whose handler failed")
-            if not progressed:
-                return
-
-    def _flush(self) -> bool:
-        """Send what queued peers have room for; True if anything left the queues."""
-        progressed = False
-        for peer in list(self._queued):
-            queue = self._queued[peer]
-            while queue:
-                frames, done = queue[0]
-                try:
-                    self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                except zmq.Again:  # still full: its next read signals us
-                    break
-                except zmq.ZMQError as exc:  # e.g. the peer is gone
-                    queue.popleft()
-                    if done is not None and not done.done():
-                        done.set_exception(exc)
-                else:
-                    queue.popleft()
-                    if done is not None and not done.done():
-                        done.set_result(None)
-                progressed = True
-            if not queue:
-                del self._queued[peer]
-        return progressed
-
-    def _try_send(self, frames: list[Any]) -> bool:
-        """Send now if nothing waits for the same peer and it has room; False: queue it."""
-        if self._queued.get(self._peer(frames)):
-            return False
-        # NOTE: the attempt, sent or not, may have consumed a readiness signal: pump after it.
-        self._pump_soon()
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
-        return True
-
-    def _peer(self, frames: list[Any]) -> bytes | None:
-        if not self._router:
-            return None
-        identity = frames[0]
-        return identity if isinstance(identity, bytes) else bytes(identity)
-
-    def _queue(self, frames: list[Any], done: asyncio.Future | None) -> bool:
-        queue = self._queued.setdefault(self._peer(frames), collections.deque())
-        if done is None and len(queue) >= MAX_QUEUED_PER_PEER:
-            log.warning("a peer has not read its last %d replies: dropping one", len(queue))
-            return False
-        queue.append((frames, done))
-        return True
-
-    async def send(self, frames: list[Any]) -> None:
-        if self._closed:
-            raise ConnectionError("socket closed")
-        self.start()
-        if not self._try_send(frames):
-            done = self._loop.create_future()
-            self._queue(frames, done)
-            await done
-
-    def send_nowait(self, frames: list[Any]) -> None:
-        """Send, or queue to send as soon as the peer has room; never waits, never raises."""
-        if self._closed:
-            return
-        self.start()
-        with contextlib.suppress(zmq.ZMQError):
-            if not self._try_send(frames):
-                self._queue(frames, None)
-
-    def close(self, linger: int = 0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self.sock.FD)
-        for queue in self._queued.values():
-            for _, done in queue:
-                if done is not None and not done.done():
-                    done.set_exception(ConnectionError("socket closed"))
-        self._queued.clear()
-        self.sock.close(linger=linger)
 
 
 class RemoteError(RuntimeError):
@@ -188,10 +40,11 @@ class RpcClient:
     """One DEALER socket to one server address.
 
     The socket is watched (a ZeroMQ monitor): when its connection drops (the server died: on
-    loopback or a LAN the kernel closes the TCP connection at once), every call and stream still
-    waiting ends with a 503 ``stage_unavailable`` there and then, ``on_lost`` is told, and new
-    calls fail fast with ``ConnectionError`` until the connection is back (ZeroMQ reconnects by
-    itself), instead of each waiting for its timeout.
+    loopback or a LAN the kernel closes the TCP connection at once; it hung or its network was
+    cut: the ZMTP heartbeat closes the connection after a few silent seconds), every call and
+    stream still waiting ends with a 503 ``stage_unavailable`` there and then, ``on_lost`` is
+    told, and new calls fail fast with ``ConnectionError`` until the connection is back (ZeroMQ
+    reconnects by itself, and the server greets again), instead of each waiting for its timeout.
     """
 
     def __init__(
@@ -203,10 +56,12 @@ class RpcClient:
     ):
         self.address = address
         self._name = name
-        self._sock = _Socket(ctx, zmq.DEALER, on_message=self._on_reply)
-        # NOTE: a plain socket whatever the context's class (as _Socket's), read without blocking.
+        self._sock = LoopSocket(ctx, zmq.DEALER, on_message=self._on_reply)
+        # NOTE: a plain socket whatever the context's class (as LoopSocket's), read without blocking.
         where = f"inproc://rpc-monitor-{next(_monitors)}"
-        self._sock.sock.monitor(where, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # NOTE: back on a finished ZMTP handshake, not a TCP connect: the kernel of a hung peer
+        # still accepts connections, but only a live peer greets.
+        self._sock.sock.monitor(where, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         # NOTE: made through the context, so ``ctx.destroy`` closes it even if nobody else does
         # (a socket the context does not know would keep ``term`` waiting forever).
         self._monitor: zmq.Socket | None = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
@@ -228,7 +83,7 @@ class RpcClient:
         # NOTE: like the data socket's, the monitor's descriptor is edge-triggered: drain it all.
         while self._monitor is not None and self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.lost = False
             elif event == zmq.EVENT_DISCONNECTED and not self.lost:
                 self.lost = True
@@ -386,7 +241,7 @@ class RpcServer:
         name: str = "server",
         quick: QuickHandler | None = None,
     ):
-        self.sock = _Socket(ctx, zmq.ROUTER, on_message=self._on_request)
+        self.sock = LoopSocket(ctx, zmq.ROUTER, on_message=self._on_request)
         # NOTE: a reply to a peer whose queue is full waits (EAGAIN, queued here) instead of being
         # dropped; one to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
         self.sock.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

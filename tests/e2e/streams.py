@@ -25,12 +25,15 @@ class Streamed:
     arrivals: list[float] = field(default_factory=list)  # monotonic time of each content delta
 
 
-def stream_bodies(model: str, salt: str, offset: int, count: int, max_tokens: int) -> list[dict]:
-    """``count`` streaming requests, each its own image; a third of them seeded sampling. Every
-    answer runs to ``max_tokens`` (``ignore_eos``), so the streams are still going at a kill."""
+def stream_bodies(
+    model: str, salt: str, offset: int, count: int, max_tokens: int, side: int = 160
+) -> list[dict]:
+    """``count`` streaming requests, each its own image (``side`` high, their widths vary around
+    it); a third of them seeded sampling. Every answer runs to ``max_tokens`` (``ignore_eos``), so
+    the streams are still going at a kill."""
     out = []
     for i in range(count):
-        img = image_bytes(160 + 16 * (i % 4), 160, seed=offset + i)
+        img = image_bytes(side + 16 * (i % 4), side, seed=offset + i)
         extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}
         body = chat(model, [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
         body.update(max_tokens=max_tokens, ignore_eos=True, stream=True, cache_salt=salt)

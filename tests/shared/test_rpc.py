@@ -307,7 +307,7 @@ async def test_socket_loses_nothing_under_backpressure():
     """High-water marks of 1 force every path: sends that would block queue and flush on
     readiness, replies are queued without waiting, and every wake-up drains the socket.
     500 echoes of mixed sizes over tcp must all come back, in order per sender."""
-    from shared.rpc import _Socket
+    from shared.loop_socket import LoopSocket
 
     ctx = zmq.Context()
     got: list[bytes] = []
@@ -321,9 +321,9 @@ async def test_socket_loses_nothing_under_backpressure():
         if len(got) == 500:
             done.set()
 
-    router = _Socket(ctx, zmq.ROUTER, echo)
+    router = LoopSocket(ctx, zmq.ROUTER, echo)
     router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # as RpcServer: full peers make replies wait
-    dealer = _Socket(ctx, zmq.DEALER, collect)
+    dealer = LoopSocket(ctx, zmq.DEALER, collect)
     for s in (router, dealer):
         s.sock.setsockopt(zmq.SNDHWM, 1)
         s.sock.setsockopt(zmq.RCVHWM, 1)
@@ -345,11 +345,11 @@ async def test_socket_loses_nothing_under_backpressure():
 async def test_a_send_that_consumes_the_readiness_signal_still_delivers():
     """ZeroMQ's descriptor signals changes, and a send reads (clears) that signal: a message that
     arrived just before our send must still be delivered, with nothing else happening after."""
-    from shared.rpc import _Socket
+    from shared.loop_socket import LoopSocket
 
     ctx = zmq.Context()
     got: list[bytes] = []
-    ours = _Socket(ctx, zmq.DEALER, lambda frames: got.append(frames[0].bytes))
+    ours = LoopSocket(ctx, zmq.DEALER, lambda frames: got.append(frames[0].bytes))
     peer = ctx.socket(zmq.DEALER)
     port = peer.bind_to_random_port("tcp://127.0.0.1")
     ours.sock.connect(f"tcp://127.0.0.1:{port}")
@@ -372,10 +372,10 @@ async def test_a_send_that_consumes_the_readiness_signal_still_delivers():
 
 async def test_a_peer_that_stops_reading_holds_up_only_its_own_replies():
     """Two peers of one ROUTER; one never reads (its queue fills): replies to the other still flow."""
-    from shared.rpc import _Socket
+    from shared.loop_socket import LoopSocket
 
     ctx = zmq.Context()
-    router = _Socket(ctx, zmq.ROUTER, lambda frames: None)
+    router = LoopSocket(ctx, zmq.ROUTER, lambda frames: None)
     router.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     router.sock.setsockopt(zmq.SNDHWM, 2)
     port = router.sock.bind_to_random_port("tcp://127.0.0.1")

@@ -4,14 +4,20 @@ with a 503, the owner is told, new calls fail fast, and all is well again once i
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import zmq
 
 from shared.messages import Ping, Pong
 from shared.rpc import RemoteError, RpcClient, RpcServer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -78,3 +84,54 @@ async def test_a_closed_connection_ends_waiting_calls_at_once_and_fails_new_ones
         client.close()
         server.close()
         ctx.destroy(linger=0)
+
+
+HUNG_SERVER = """
+import asyncio, sys, zmq
+from tests.shared.test_rpc_lost import Server
+async def main():
+    Server(zmq.Context(), sys.argv[1])
+    print("up", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def test_a_hung_server_is_noticed_by_the_heartbeat_and_stays_lost_until_it_greets():
+    """SIGSTOP: the process answers nothing, yet its kernel keeps the TCP connection (and
+    accepts new ones). The ZMTP heartbeat closes the connection within seconds; the client
+    stays lost while only the kernel answers, and is back once the server runs again."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_SERVER, address], stdout=subprocess.PIPE, cwd=ROOT)
+    ctx = zmq.Context()
+    client = RpcClient(ctx, address, "llm")
+    try:
+        assert proc.stdout.readline() == b"up\n"
+        assert isinstance(await client.call(Ping(), timeout=10), Pong)
+        async with client.stream(Pong("x", "m", b""), timeout=60) as replies:
+            proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(RemoteError) as streamed:
+                async for _ in replies:
+                    pass
+        noticed = time.monotonic() - t0
+        print(f"hung server noticed after {noticed:.2f} s")
+        assert streamed.value.reply.code == "stage_unavailable"
+        assert noticed < 10, noticed  # heartbeat (0.5 s) + its timeout (2 s), not the 60 s wait
+        await asyncio.sleep(1.5)  # ZeroMQ has reconnected at the TCP level by now
+        assert client.lost
+        with pytest.raises(ConnectionError):
+            await client.call(Ping(), timeout=60)
+
+        proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while client.lost:
+            assert time.monotonic() < deadline, "never greeted again"
+            await asyncio.sleep(0.05)
+        assert isinstance(await client.call(Ping(), timeout=5), Pong)
+    finally:
+        client.close()
+        ctx.destroy(linger=0)
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
