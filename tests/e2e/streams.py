@@ -5,6 +5,7 @@ the check that a run with a kill in it answered exactly like an uninterrupted on
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
@@ -98,26 +99,34 @@ def stream(host: str, port: int, body: dict, started: Started, timeout: float = 
     return out
 
 
+@dataclass(frozen=True)
+class KillWindow:
+    """From the call of a kill to its return (monotonic): a ``docker kill`` or a network cut
+    lands somewhere inside, not at the call."""
+
+    start: float = 0.0
+    end: float = 0.0
+
+
 def run_all(
     host: str,
     port: int,
     load: list[dict],
-    kill: Callable[[], float | None] | None = None,
+    kill: Callable[[], object] | None = None,
     after: int = 0,
     start_timeout: float = 120,
-) -> tuple[list[Streamed], float]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens (it may
-    return the monotonic time the kill itself began, after it chose its target). Returns the
-    streams and the time of the kill (0 without one)."""
+) -> tuple[list[Streamed], KillWindow]:
+    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens."""
     started = Started()
     with ThreadPoolExecutor(len(load)) as pool:
         futures = [pool.submit(stream, host, port, b, started) for b in load]
-        killed_at = 0.0
+        window = KillWindow()
         if kill is not None:
             started.wait(after, timeout=start_timeout)
-            killed_at = time.monotonic()
-            killed_at = kill() or killed_at
-        return [f.result() for f in futures], killed_at
+            start = time.monotonic()
+            kill()
+            window = KillWindow(start, time.monotonic())
+        return [f.result() for f in futures], window
 
 
 def failover_counters(url: str) -> dict[str, float]:
@@ -138,14 +147,14 @@ def failover_delta(url: str, before: dict[str, float]) -> dict[str, int]:
     return {k: int(after[k] - before[k]) for k in after}
 
 
-def longest_gap(got: list[Streamed], killed_at: float) -> float:
+def longest_gap(got: list[Streamed], kill: KillWindow) -> float:
     """The longest wait for a next token that spans the kill: what a moved stream lost."""
     return max(
         (
             b - a
             for g in got
-            for a, b in zip(g.arrivals, g.arrivals[1:], strict=False)
-            if a <= killed_at + 0.05 and b >= killed_at
+            for a, b in itertools.pairwise(g.arrivals)
+            if a <= kill.end + 0.05 and b >= kill.start
         ),
         default=0.0,
     )
@@ -156,14 +165,14 @@ def check_unchanged(
     got: list[Streamed],
     want: list[Streamed],
     delta: dict[str, int],
-    killed_at: float,
+    kill: KillWindow,
     max_tokens: int,
 ) -> float:
     """Print sent / succeeded / retried / migrated / failed and the longest gap across the kill;
     assert that nothing failed and every answer (text and token count) is the uninterrupted one.
     Returns the longest gap in seconds."""
     failed = [g.error for g in got if g.error is not None]
-    lost = longest_gap(got, killed_at)
+    lost = longest_gap(got, kill)
     print(
         f"\n{name}: sent {len(got)} succeeded {len(got) - len(failed)} retried {delta['retried']} "
         f"migrated {delta['migrated']} encoder retries {delta['encoder_retried']} repairs {delta['repairs']} "

@@ -22,6 +22,7 @@ import zmq
 from shared.messages import Ping
 from shared.rpc import RpcClient
 from tests.e2e.streams import (
+    KillWindow,
     Started,
     check_unchanged,
     failover_counters,
@@ -67,7 +68,7 @@ def counters(stack: Stack) -> dict[str, float]:
     return failover_counters(stack.url)
 
 
-def check(name: str, stack: Stack, got, want, before: dict, killed_at: float) -> dict[str, int]:
+def check(name: str, stack: Stack, got, want, before: dict, killed_at: KillWindow) -> dict[str, int]:
     delta = failover_delta(stack.url, before)
     check_unchanged(name, got, want, delta, killed_at, MAX_TOKENS)
     return delta
