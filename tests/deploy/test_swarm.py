@@ -129,9 +129,10 @@ def test_worker_cut_off_the_network_fails_nothing_and_its_tasks_are_replaced(swa
         # Each LLM replica's node (a task's host name is its container's short id); the placement
         # puts the two on the two workers.
         node_of = {c: n for n in swarm.nodes[1:] for c in swarm.containers(n, "mmcache_llm")}
-        encoders = {n: len(swarm.containers(n, "mmcache_encoder")) for n in swarm.nodes}
-        print(f"\nLLM replicas on {node_of}; encoders per node {encoders}")
+        encoder_nodes = sorted(n for n, s in swarm.tasks("mmcache_encoder") if s.startswith("Running"))
+        print(f"\nLLM replicas on {node_of}; encoders on {encoder_nodes}")
         seen = replica_ids(base, "llm")
+        encoders_seen = replica_ids(base, "encoder")
         host = swarm.ip(swarm.nodes[0])
 
         def load(salt: str) -> list[dict]:
@@ -165,9 +166,11 @@ def test_worker_cut_off_the_network_fails_nothing_and_its_tasks_are_replaced(swa
         # replica by the service's name, and it serves new requests.
         w = watch[0]
         w.join(timeout=STARTUP)
-        print(f"node Down after {w.down:.1f} s, a new LLM replica answering after {w.replaced:.1f} s")
         assert w.down is not None and w.replaced is not None, (w.down, w.replaced)
+        print(f"node Down after {w.down:.1f} s, a new LLM replica answering after {w.replaced:.1f} s")
         (new,) = replica_ids(base, "llm") - seen
+        wait_replicas(base, 2, 2)  # both tiers at full strength again (an encoder replaced too)
+        print(f"new encoder replicas: {replica_ids(base, 'encoder') - encoders_seen or 'none'}")
         # each its own system prompt: the prompts' first blocks rank the replicas apart
         more = bodies(reference["model"], range(300, 316))
         assert len(answers(base, more)) == len(more)
