@@ -12,7 +12,7 @@ new class with the same three methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +22,15 @@ from llm_stage.scheduler import StepItem
 
 
 class AttentionBackend(Protocol):
-    def plan(self, items: list[StepItem]) -> object:
+    # NOTE: a plan is the backend's own record: the runner only hands it back (Any, not object,
+    # so each backend may type its own).
+    def plan(self, items: list[StepItem]) -> Any:
         """Per-step metadata for :meth:`write` and :meth:`attend` (rows follow ``items`` in order)."""
 
-    def write(self, layer: int, kv: torch.Tensor, plan: object) -> None:
+    def write(self, layer: int, kv: torch.Tensor, plan: Any) -> None:
         """Store this step's K/V, ``kv`` (rows, 2 * kv_heads, head_dim), in their cache slots."""
 
-    def attend(self, layer: int, qkv: torch.Tensor, plan: object) -> torch.Tensor:
+    def attend(self, layer: int, qkv: torch.Tensor, plan: Any) -> torch.Tensor:
         """qkv: (rows, heads + 2 * kv_heads, head_dim) → (rows, heads * head_dim)."""
 
 
@@ -148,6 +150,7 @@ class SdpaBackend:
         """One token of each of B sequences: q (B, heads, head_dim) → (B, heads, head_dim)."""
         kv_heads = self.kv.num_kv_heads
         cache = self.kv.blocks(layer)
+        assert plan.decode_blocks is not None  # set with decode_rows
         kv = cache.index_select(0, plan.decode_blocks).view(q.shape[0], -1, *cache.shape[2:])
         keys = kv[:, :, :kv_heads].transpose(1, 2)  # (B, kv_heads, widest * block_size, head_dim)
         values = kv[:, :, kv_heads:].transpose(1, 2)

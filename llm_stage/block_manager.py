@@ -227,11 +227,12 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
-            siblings = self.children.get(block.parent) if block.parent is not None else None
-            if siblings is not None:
+            parent = block.parent
+            siblings = self.children.get(parent) if parent is not None else None
+            if parent is not None and siblings is not None:
                 siblings.pop(block_id, None)
                 if not siblings:
-                    del self.children[block.parent]
+                    del self.children[parent]
             block.block_hash = block.parent = None
             block.token_ids = block.media = ()
             self.stats.evictions += 1

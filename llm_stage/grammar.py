@@ -8,9 +8,11 @@ submitted; each step the sampler asks the matchers of the batch for their token 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, cast
 
 import llguidance
 import llguidance.hf
@@ -34,7 +36,9 @@ class GrammarCache:
     """Compiled grammars by their text (LRU, at most ``capacity``); concurrent requests for one
     grammar wait for a single compile."""
 
-    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: list[int], capacity: int = 64):
+    def __init__(
+        self, model_path: str | os.PathLike, vocab_size: int, eos_token_ids: list[int], capacity: int = 64
+    ):
         self.model_path = model_path
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's
         self.eos_token_ids = eos_token_ids
@@ -58,14 +62,14 @@ class GrammarCache:
             pending = loop.run_in_executor(self._executor, self._compile, grammar)
             self._pending[grammar] = pending
             try:
-                proto = await pending
+                proto = cast(llguidance.LLMatcher, await pending)
             finally:
                 del self._pending[grammar]
             self._compiled[grammar] = proto
             if len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
         else:
-            proto = await asyncio.shield(pending)
+            proto = cast(llguidance.LLMatcher, await asyncio.shield(pending))
             self.stats.hits += 1
         return proto.deep_copy()
 
@@ -74,7 +78,7 @@ class GrammarCache:
             # Only requests with a grammar need the tokenizer: loaded on the first one.
             from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(self.model_path)
+            hf: Any = AutoTokenizer.from_pretrained(self.model_path)  # a fast (tokenizers) one
             self._tokenizer = llguidance.hf.from_tokenizer(
                 hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
             )

@@ -43,8 +43,9 @@ def _token_tensor(seq: Sequence) -> torch.Tensor:
     n = 0 if have is None else have.numel()
     if n < len(seq.token_ids):
         new = torch.tensor(seq.token_ids[n:], dtype=torch.long)
-        seq.token_tensor = new if have is None else torch.cat([have, new])
-    return seq.token_tensor
+        have = seq.token_tensor = new if have is None else torch.cat([have, new])
+    assert have is not None  # a sequence has a token at least
+    return have
 
 
 def _padded(parts: list[torch.Tensor], pad: int, device: torch.device) -> torch.Tensor:
@@ -85,7 +86,9 @@ def presence_frequency_penalty(logits: torch.Tensor, rows: list[int], seqs: list
 
 
 def logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
-    row_ids, token_ids, values = [], [], []
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
     for r in rows:
         bias = seqs[r].sampling.logit_bias
         row_ids += [r] * len(bias)

@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from llm_stage.sequence import MediaRows
+from shared.keys import ChunkKey
 from shared.media_spans import chunk_places
 from shared.messages import FetchRequest, MediaSpan
 from shared.rpc import RemoteError, RpcClient
@@ -26,14 +27,14 @@ MAX_ENCODER_CLIENTS = 256  # encoder replicas this LLM replica keeps a socket to
 @dataclass(frozen=True, slots=True)
 class FetchResult:
     rows: list[MediaRows]  # what arrived, for the tokens asked for
-    lost: dict[bytes, str]  # chunk key → why its rows could not be read ("missing", "unreachable")
+    lost: dict[ChunkKey, str]  # chunk key → why its rows could not be read ("missing", "unreachable")
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
     start: int  # first token of the chunk in the prompt
     end: int
-    key: bytes
+    key: ChunkKey
     source: str  # encoder address
 
 
@@ -90,7 +91,7 @@ class MediaFetcher:
             client.close()
 
     async def fetch(
-        self, refs: list[ChunkRef], ranges: list[tuple[int, int]], pinned: set[bytes]
+        self, refs: list[ChunkRef], ranges: list[tuple[int, int]], pinned: set[ChunkKey]
     ) -> FetchResult:
         """Rows for the media tokens in ``ranges`` (each ``[start, end)``).
 
@@ -105,7 +106,7 @@ class MediaFetcher:
             for r in refs
             if r.end > lo and r.start < hi
         ]
-        spans: dict[tuple[bytes, str], tuple[int, int]] = {}  # rows to read per chunk
+        spans: dict[tuple[ChunkKey, str], tuple[int, int]] = {}  # rows to read per chunk
         for r, lo, hi in wanted:
             old = spans.get((r.key, r.source))
             spans[(r.key, r.source)] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
@@ -114,8 +115,8 @@ class MediaFetcher:
             *(self._one(key, source, lo, hi, key in pinned) for (key, source), (lo, hi) in reads),
             return_exceptions=True,
         )
-        read: dict[tuple[bytes, str], tuple[int, torch.Tensor]] = {}
-        lost: dict[bytes, str] = {}
+        read: dict[tuple[ChunkKey, str], tuple[int, torch.Tensor]] = {}
+        lost: dict[ChunkKey, str] = {}
         for ((key, source), (lo, _)), res in zip(reads, results, strict=True):
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
@@ -131,7 +132,7 @@ class MediaFetcher:
                 out.append(MediaRows(r.start + lo, rows[lo - first : hi - first]))
         return FetchResult(out, lost)
 
-    async def _one(self, key: bytes, source: str, lo: int, hi: int, release: bool) -> torch.Tensor:
+    async def _one(self, key: ChunkKey, source: str, lo: int, hi: int, release: bool) -> torch.Tensor:
         try:
             reply = await self.client(source).call(
                 FetchRequest(key, lo, hi, release=release), timeout=self._timeout

@@ -13,6 +13,8 @@ a slot side by side in one cache row (one write and one gather serve both).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,7 @@ class ModelRunner:
     def __init__(self, lm: TextLM, kv: KVCache, attention: AttentionBackend | None = None):
         self.lm = lm
         self.kv = kv
-        self.attention = attention or SdpaBackend(kv, lm.num_heads, lm.scaling)
+        self.attention: AttentionBackend = attention or SdpaBackend(kv, lm.num_heads, lm.scaling)
         self.device = kv.kv.device
 
     def copy_block_start(self, copy: BlockCopy) -> None:
@@ -125,15 +127,13 @@ class ModelRunner:
         cos, sin = self.lm.rope(hidden, positions.to(self.device))
         return cos[0, :, None], fold_sin(sin)[0, :, None]
 
-    def _layer(
-        self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: object
-    ) -> torch.Tensor:
+    def _layer(self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
         lm = self.lm
         n, heads, kv_heads = hidden.shape[0], lm.num_heads, lm.num_kv_heads
         x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)
         qkv = F.linear(x, w.qkv, w.qkv_bias).view(n, heads + 2 * kv_heads, lm.head_dim)
         if w.qk_norm is not None:
-            qk_norm_(qkv[:, : heads + kv_heads], w)
+            qk_norm_(qkv[:, : heads + kv_heads], w.qk_norm, w.qk_eps)
         rotate_(qkv[:, : heads + kv_heads], *rope)
         self.attention.write(idx, qkv[:, heads:], plan)
         out = self.attention.attend(idx, qkv, plan)
@@ -141,5 +141,6 @@ class ModelRunner:
         x = F.rms_norm(hidden, w.norm_shape, w.post_norm, w.eps)
         if w.moe is not None:
             return hidden + w.moe(x[None])[0]
+        assert w.gate_up is not None and w.act is not None and w.down is not None  # a dense MLP
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
         return hidden + F.linear(w.act(gate) * up, w.down)

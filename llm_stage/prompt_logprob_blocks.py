@@ -39,7 +39,7 @@ def back_off(match: PrefixMatch, block_size: int) -> PrefixMatch:
 def start(seq: Sequence, bm: BlockManager, match: PrefixMatch) -> None:
     """At admission: entries of the cached tokens, up to and with the first one computed (its
     entry comes from the cached token before it), read from the blocks that carry them."""
-    if seq.plp_ids is None:
+    if seq.plp_ids is None or seq.plp_values is None:
         shape = (seq.num_prompt_tokens, 1 + K_MAX)
         seq.plp_ids = torch.zeros(shape, dtype=torch.int32)
         seq.plp_values = torch.zeros(shape, dtype=torch.float32)
@@ -53,7 +53,7 @@ def start(seq: Sequence, bm: BlockManager, match: PrefixMatch) -> None:
 
 def store(seq: Sequence, bm: BlockManager) -> None:
     """Write the entries of ``seq``'s full prompt blocks that are about to be committed."""
-    if bm.logprobs is None or seq.plp_ids is None:
+    if bm.logprobs is None or seq.plp_ids is None or seq.plp_values is None:
         return
     size = bm.block_size
     full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // size
@@ -66,6 +66,7 @@ def store(seq: Sequence, bm: BlockManager) -> None:
 
 def take(seq: Sequence) -> list[TokenLogprobs | None]:
     """The prompt's entries, once (they go out with the first token; the rows are let go)."""
+    assert seq.plp_ids is not None and seq.plp_values is not None  # made at admission
     out = entries(seq.plp_ids, seq.plp_values, seq.sampling.prompt_logprobs or 0)
     seq.plp_ids = seq.plp_values = None
     seq.plp_sent = True

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llm_stage import prompt_logprob_blocks as scoring
@@ -221,12 +222,12 @@ class Scheduler:
         plan: StepPlan,
         tokens: list[int],
         logprobs: list[TokenLogprobs | None] | None = None,
-        scored: list[Scored] = (),
+        scored: Iterable[Scored] = (),
     ) -> list[StepOutput]:
         """Advance sequences after a forward; ``tokens`` (and ``logprobs``) hold one sample per
         sampling item, in plan order; ``scored`` the prompt logprobs computed."""
         for s in scored:
-            if s.seq.plp_ids is not None:
+            if s.seq.plp_ids is not None and s.seq.plp_values is not None:
                 s.seq.plp_ids[s.start : s.start + len(s.ids)] = s.ids
                 s.seq.plp_values[s.start : s.start + len(s.ids)] = s.values
         outputs: list[StepOutput] = []

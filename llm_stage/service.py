@@ -49,6 +49,9 @@ from shared.service import replica_id, run_stage
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.05  # how long a step that could run nothing waits for news before trying again
+# NOTE: a request nobody reads token by token still reports its tokens every so often, so that if
+# this replica dies the processor moves it with its tokens so far instead of starting it again.
+PROGRESS_EVERY = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -269,8 +272,8 @@ class LLMService:
             tokens += [o.token_id for o in outs if o.token_id is not None]
             logprobs += [o.logprobs for o in outs if o.logprobs is not None]
             prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
-            if not stream and last.finish_reason is None:
-                continue  # one message at the end instead of one per step
+            if not stream and last.finish_reason is None and len(tokens) < PROGRESS_EVERY:
+                continue  # a message per PROGRESS_EVERY tokens instead of one per step
             chunk = GenerateChunk(
                 tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +42,14 @@ class LayerWeights:
     moe: nn.Module | None = None  # Qwen3-VL-MoE: the layer's experts block, (1, rows, hidden) in and out
 
 
-def qk_norm_(qk: torch.Tensor, w: LayerWeights) -> None:
+def qk_norm_(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """Qwen3's q/k norm in place on (rows, heads + kv_heads, head_dim): each head over its dimension.
 
     NOTE: ``rms_norm`` without a weight, then the weight, is the reference's order of operations
     (normalise, then scale): in float32 the result is the modules' bit for bit (a test checks).
     """
-    normed = F.rms_norm(qk, (qk.shape[-1],), None, w.qk_eps)
-    qk.copy_(normed.mul_(w.qk_norm))
+    normed = F.rms_norm(qk, (qk.shape[-1],), None, eps)
+    qk.copy_(normed.mul_(weight))
 
 
 def _fuse(linears: list[nn.Linear], name: str) -> torch.Tensor:
@@ -63,7 +64,8 @@ def _fuse(linears: list[nn.Linear], name: str) -> torch.Tensor:
     return fused
 
 
-def _layer_weights(layer: nn.Module, heads: int, kv_heads: int) -> LayerWeights:
+def _layer_weights(layer: Any, heads: int, kv_heads: int) -> LayerWeights:
+    """``layer``: a transformers decoder layer (its submodules are named as in the family's)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     moe = hasattr(mlp, "experts")  # routed experts: their module runs them, nothing to fuse

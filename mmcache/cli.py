@@ -50,17 +50,17 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(serve(args))
     elif args.command == "processor":
-        from processor.app import run
+        from processor.app import run as run_processor
 
-        run(from_args(ProcessorConfig, args))
+        run_processor(from_args(ProcessorConfig, args))
     elif args.command == "encoder":
-        from encoder_stage.service import run
+        from encoder_stage.service import run as run_encoder
 
-        run(from_args(EncoderConfig, args))
+        run_encoder(from_args(EncoderConfig, args))
     elif args.command == "llm":
-        from llm_stage.service import run
+        from llm_stage.service import run as run_llm
 
-        run(from_args(LLMConfig, args))
+        run_llm(from_args(LLMConfig, args))
     elif args.command == "make-tiny-model":
         from mmcache.tiny_model import make_tiny_model
 

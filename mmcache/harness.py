@@ -38,13 +38,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _command(proc: subprocess.Popen) -> str:
+    """``encoder --model`` of ``python -m mmcache encoder --model ...``."""
+    args = proc.args
+    return " ".join(map(str, args[2:4])) if isinstance(args, list) else str(args)
+
+
 def wait_healthy(url: str, procs: Sequence[subprocess.Popen], timeout: float = STARTUP_TIMEOUT) -> None:
     """Until ``url``/health answers 200; fails at once if one of ``procs`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, proc.args[2:4]))} exited with {proc.returncode}")
+                raise RuntimeError(f"{_command(proc)} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 if resp.status == 200:

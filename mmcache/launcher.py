@@ -79,14 +79,15 @@ def serve(args: argparse.Namespace) -> int:
     rundir = Path(tempfile.mkdtemp(prefix="mmcache-"))
     enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
     threads = _thread_split(args)
-    configs = {
+    processor = from_args(
+        ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, **threads["processor"]
+    )
+    configs: dict[str, object] = {
         "encoder": from_args(
             EncoderConfig, args, model=model, bind=enc_addr, metrics_port=0, **threads["encoder"]
         ),
         "llm": from_args(LLMConfig, args, model=model, bind=llm_addr, metrics_port=0, **threads["llm"]),
-        "processor": from_args(
-            ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, **threads["processor"]
-        ),
+        "processor": processor,
     }
     children: dict[str, subprocess.Popen] = {}
     stop = {"signal": 0}
@@ -104,8 +105,8 @@ def serve(args: argparse.Namespace) -> int:
         log.info(
             "mmcache serving %s on http://%s:%d (pids %s)",
             model,
-            configs["processor"].host,
-            configs["processor"].port,
+            processor.host,
+            processor.port,
             {n: p.pid for n, p in children.items()},
         )
         while not stop["signal"]:
@@ -124,17 +125,15 @@ def _stop_all(children: dict[str, subprocess.Popen]) -> None:
     """The processor first (it finishes or ends its streams), then the stages it talks to."""
     order = [["processor"], ["encoder", "llm"]]
     for names in order:
-        procs = [children[n] for n in names if n in children]
-        for proc in procs:
+        procs = {n: children[n] for n in names if n in children}
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_SECONDS
-        for proc in procs:
+        for name, proc in procs.items():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning(
-                    "%s did not stop within %.0f s of SIGTERM; killing it", proc.args[3], GRACE_SECONDS
-                )
+                log.warning("%s did not stop within %.0f s of SIGTERM; killing it", name, GRACE_SECONDS)
                 proc.kill()
                 proc.wait()

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +82,7 @@ class Dispatcher:
 
     async def generate(
         self, prepared: Prepared, index: int = 0, stream: bool = False
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream the chosen LLM replica's replies for choice ``index`` (``stream``: every step's
         tokens as they come, even when the client waits for the whole answer); leaving early
         aborts the generation.
@@ -123,11 +123,13 @@ class Dispatcher:
 
     async def _attempt(
         self, prepared: Prepared, probe: ProbeRequest, index: int, stream: bool, resume: list[int]
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         """One try at one LLM replica; raises :class:`_ReplicaGone` if it dies before the end."""
         try:
             route = await self.stages.route(probe, self.timeout)
-        except (ConnectionError, RemoteError) as exc:
+        except ConnectionError as exc:  # none could be reached
+            raise _ReplicaGone(str(exc)) from exc
+        except RemoteError as exc:
             if _gone(exc):
                 raise _ReplicaGone(str(exc)) from exc
             raise as_api_error(exc) from exc

@@ -61,14 +61,14 @@ class GuardedResolver(AbstractResolver):
         )
         out: list[ResolveResult] = []
         for fam, _, proto, _, sockaddr in infos:
-            addr = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+            addr = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
             if is_refused(addr, self._allowed):
                 raise BlockedAddress(f"{host} resolves to {addr}, which is not a public address")
             out.append(
                 ResolveResult(
                     hostname=host,
                     host=str(addr),
-                    port=sockaddr[1],
+                    port=int(sockaddr[1]),
                     family=fam,
                     proto=proto,
                     flags=socket.AI_NUMERICHOST,

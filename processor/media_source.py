@@ -60,6 +60,7 @@ class MediaSource:
         raise bad_request(f"{where}: unsupported media URL scheme {scheme!r}", "media_url_scheme", where)
 
     def _data_url(self, url: str | memoryview, where: str) -> bytes:
+        payload: str | memoryview
         if isinstance(url, str):
             header, sep, payload = url.partition(",")
         else:  # raw bytes: the header is short, the payload stays a view

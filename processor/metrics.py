@@ -16,6 +16,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Mapping
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -24,7 +25,7 @@ from processor.request_log import RequestRecord
 from shared.metrics import LATENCY_BUCKETS
 
 # Gauges of one worker add up to the whole (each worker has its own cache); dead workers drop out.
-_SUM = "livesum"
+_SUM: Final = "livesum"
 SYNC_SECONDS = 1.0
 
 StatsFn = Callable[[], Mapping[str, "float | Mapping[str, float]"]]
@@ -144,11 +145,12 @@ class ProcessorMetrics:
         """Bring counters and gauges up to the components' ``stats()`` numbers."""
         for key, metric in self._synced.items():
             value = stats[key]
-            if isinstance(metric, Gauge):
-                metric.set(value)
-            elif isinstance(value, Mapping):
+            if isinstance(value, Mapping):
+                assert isinstance(metric, Counter), key  # numbers by label are counters here
                 for label, v in value.items():
                     self._advance(metric.labels(label), (key, label), v)
+            elif isinstance(metric, Gauge):
+                metric.set(value)
             else:
                 self._advance(metric, (key, None), value)
 

@@ -153,34 +153,37 @@ class Pipeline:
                     "unknown_uuid",
                     ref.param,
                 )
-        elif ref.url[:5].lower() == "file:":
+        elif ref.url is not None and ref.url[:5].lower() == "file:":
             # NOTE: a repeated local file is known by its path and settled stat signature, so a
             # hit does not even read it; the alias is only taken while its layout is held (a
             # layout made again must come from the bytes read then, not from the alias).
             local = self.source.file_signature(ref.url) if self.cache.enabled else None
-            known = self.cache.aliased(self._file_alias(salt, ref.modality, local)) if local else None
+            alias = self._file_alias(salt, ref.modality, local)
+            known = self.cache.aliased(alias) if alias else None
             if known is not None and self.cache.has(known):
                 key = known
             else:
                 data, local = await self.source.fetch_file(ref.url, ref.param)
                 key = media_key(salt, ref.modality, data, fp)
-                if local.signature is not None and self.cache.enabled:
-                    self.cache.alias(self._file_alias(salt, ref.modality, local), key)
+                alias = self._file_alias(salt, ref.modality, local) if self.cache.enabled else None
+                if alias:
+                    self.cache.alias(alias, key)
         else:
             # NOTE: a repeated data: URL is known by a hash of its text, so a hit skips even the
             # base64 decoding; the cache entry itself stays keyed by the raw bytes.
-            alias = data_url_alias(salt, ref.modality, ref.location, fp) if self.cache.enabled else None
+            location = _location(ref)
+            alias = data_url_alias(salt, ref.modality, location, fp) if self.cache.enabled else None
             known = self.cache.aliased(alias) if alias else None
             if known is not None:
                 key = known
             else:
-                data = await self.source.fetch(ref.location, ref.param)
+                data = await self.source.fetch(location, ref.param)
                 key = media_key(salt, ref.modality, data, fp)
                 if alias:
                     self.cache.alias(alias, key)
 
         async def make() -> MediaLayout:
-            raw = data if data is not None else await self.source.fetch(ref.location, ref.param)
+            raw = data if data is not None else await self.source.fetch(_location(ref), ref.param)
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._media_pool, self._decode, ref, raw, salt)
 
@@ -193,7 +196,10 @@ class Pipeline:
             report.processor_misses += 1
         return layout
 
-    def _file_alias(self, salt: str | None, modality: str, local: LocalFile) -> bytes:
+    def _file_alias(self, salt: str | None, modality: str, local: LocalFile | None) -> bytes | None:
+        """The alias of a local file's settled contents; None if it has none to trust yet."""
+        if local is None or local.signature is None:
+            return None
         return file_alias(salt, modality, local.path, local.signature, self.pre.fingerprint)
 
     def _decode(self, ref: MediaRef, data: bytes, salt: str | None) -> MediaLayout:
@@ -217,3 +223,11 @@ class Pipeline:
 
     def close(self) -> None:
         self._media_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _location(ref: MediaRef) -> str | memoryview:
+    """Where a media item's bytes are (its URL, or the data: URL the body held aside)."""
+    location = ref.location
+    if location is None:  # a uuid alone, and no cache knows it (any more)
+        raise bad_request(f"{ref.param}: uuid {ref.uuid!r} comes without data", "unknown_uuid", ref.param)
+    return location

@@ -29,8 +29,10 @@ class PromptBuilder:
             raise ValueError(f"{spec.path} has no chat template")
         self.pad_ids = {"image": spec.image_token_id, "video": spec.video_token_id}
         self.timestamped_video = spec.family.timestamped_video
-        self._vision_start = spec.config.get("vision_start_token_id")
-        self._vision_end = spec.config.get("vision_end_token_id")
+        self._vision_start: int | None = spec.config.get("vision_start_token_id")
+        self._vision_end: int | None = spec.config.get("vision_end_token_id")
+        if self.timestamped_video and (self._vision_start is None or self._vision_end is None):
+            raise ValueError(f"{spec.path}: its config names no vision start/end token ids")
         self._pad_texts = [self.tokenizer.convert_ids_to_tokens(i) for i in self.pad_ids.values()]
         added = sorted(
             (t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special),
@@ -126,9 +128,11 @@ class PromptBuilder:
         """
         _, h, w = layout.grid_thw
         per_chunk = h * w // (layout.merge_size * layout.merge_size)
+        start, end = self._vision_start, self._vision_end
+        assert start is not None and end is not None  # checked at start-up
         for chunk, seconds in zip(layout.chunks, layout.timestamps, strict=True):
             out += self._encode_piece(timestamp_text(seconds))
-            out.append(self._vision_start)
+            out.append(start)
             spans.append(
                 MediaSpan(
                     offset=len(out),
@@ -140,4 +144,4 @@ class PromptBuilder:
                 )
             )
             out += [pad] * per_chunk
-            out.append(self._vision_end)
+            out.append(end)

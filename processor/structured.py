@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs only
 
 from processor.errors import bad_request
 
 # NOTE: compact JSON (", " and ": " and no other whitespace): free whitespace is valid JSON, but a
 # small or random model then spends its tokens on it.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 MAX_PARALLEL_CALLS = 8  # most tool calls one constrained answer may hold
 
 

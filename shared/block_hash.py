@@ -17,17 +17,15 @@ The processor (routing, probing) and the LLM stage use this one implementation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NewType
+from typing import cast
 
 import numpy as np
 import torch
 import xxhash
 
-from shared.keys import Fingerprint, hash_fields, salt_bytes
+from shared.keys import BlockHash, Fingerprint, hash_fields, salt_bytes
 from shared.media_spans import chunk_places
 from shared.messages import MediaSpan
-
-BlockHash = NewType("BlockHash", bytes)
 
 KEY_BYTES = 16
 
@@ -57,9 +55,10 @@ def block_hashes(
     payloads = blocks.tolist()  # one bytes object per block
     if spans:
         _add_media(payloads, blocks, spans, first * block_size)
-    prev = hashes[-1] if hashes else root
+    prev: bytes = hashes[-1] if hashes else root
     digest = xxhash.xxh3_128_digest
-    hashes += [prev := digest(prev + payload) for payload in payloads]
+    # NOTE: one cast for the list, not a BlockHash() call per block (the hot loop)
+    hashes += cast(list[BlockHash], [prev := digest(prev + payload) for payload in payloads])
     return hashes
 
 
@@ -68,7 +67,10 @@ def _add_media(payloads: list[bytes], blocks: np.ndarray, spans: Sequence[MediaS
     (chunk key, block start - chunk start). ``payloads[0]`` starts at token ``base``."""
     block_size = blocks.dtype.itemsize // 4
     count = len(payloads)
-    runs, parts, offsets, keys = [], [], [], []  # per chunk: its block range; per (chunk, block) pair
+    runs: list[tuple[int, int]] = []  # per chunk: its block range
+    parts: list[np.ndarray] = []  # ... and those blocks' tokens
+    offsets: list[int] = []  # per (chunk, block) pair: block start - chunk start
+    keys: list[bytes] = []  # ... and the chunk's key
     for chunk in chunk_places(spans):
         start, end = chunk.start - base, chunk.end - base
         lo = start // block_size if start > 0 else 0

@@ -11,8 +11,9 @@ import dataclasses
 import math
 import os
 import typing
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 _C = TypeVar("_C")
 
@@ -41,7 +42,7 @@ def _parse(kind: type, raw: str, name: str) -> Any:
     return kind(raw)
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: set[str] = frozenset()) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: AbstractSet[str] = frozenset()) -> None:
     """Add one flag per field of ``cls`` (defaults stay ``None`` so we can tell what was given)."""
     hints = typing.get_type_hints(cls)
     existing = {a.dest for a in parser._actions}
@@ -60,7 +61,7 @@ def from_args(cls: type[_C], ns: argparse.Namespace | None = None, **overrides: 
     """Build ``cls`` from parsed flags, then environment, then defaults."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cast(Any, cls)):  # a config dataclass
         given = getattr(ns, f.name, None) if ns is not None else None
         if f.name in overrides:
             values[f.name] = overrides[f.name]

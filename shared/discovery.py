@@ -41,7 +41,7 @@ MAX_REPLICAS = 256  # resolved addresses kept per set; more are ignored (bounded
 async def dns_resolve(host: str, port: int) -> list[str]:
     """Every address ``host`` resolves to (the system resolver, off the event loop)."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def split_target(target: str) -> tuple[str, int] | None:

@@ -20,6 +20,7 @@ transformers names them differently):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +84,9 @@ FAMILIES: dict[str, ModelFamily] = {
 }
 
 
-def load_class(path: str) -> type:
-    """The class named ``module:Class`` (imported only by the stage that needs it)."""
+def load_class(path: str) -> Any:
+    """The class named ``module:Class`` (imported only by the stage that needs it; Any: a
+    transformers class, whose class methods such as ``_from_config`` are not typed)."""
     import importlib
 
     module, _, name = path.partition(":")

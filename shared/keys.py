@@ -16,6 +16,7 @@ import xxhash
 MediaKey = NewType("MediaKey", bytes)
 ChunkKey = NewType("ChunkKey", bytes)
 Fingerprint = NewType("Fingerprint", bytes)
+BlockHash = NewType("BlockHash", bytes)  # a KV block's chained hash (shared.block_hash)
 
 _LEN = struct.Struct("<Q")
 _Bytes = bytes | bytearray | memoryview

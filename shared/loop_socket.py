@@ -11,7 +11,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -54,17 +54,18 @@ class LoopSocket:
         self._pumping = False
         self._closed = False
 
-    def start(self) -> None:
+    def start(self) -> asyncio.AbstractEventLoop:
         """Start receiving (in the running loop); sending starts it too."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._loop.add_reader(self.sock.FD, self._pump)
             self._pump_soon()  # messages may have arrived before the descriptor was watched
+        return self._loop
 
     def _pump_soon(self) -> None:
         # NOTE: a pump in progress (this call comes from a handler it runs) checks EVENTS again
         # when the handler returns.
-        if not self._pump_scheduled and not self._pumping:
+        if not self._pump_scheduled and not self._pumping and self._loop is not None:
             self._pump_scheduled = True
             self._loop.call_soon(self._pump)
 
@@ -79,7 +80,7 @@ class LoopSocket:
     def _drain(self) -> None:
         sock = self.sock
         while not self._closed:
-            events = sock.get(zmq.EVENTS)
+            events = cast(int, sock.get(zmq.EVENTS))
             progressed = bool(events & zmq.POLLOUT and self._queued and self._flush())
             if events & zmq.POLLIN:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -144,9 +145,9 @@ class LoopSocket:
     async def send(self, frames: list[Any]) -> None:
         if self._closed:
             raise ConnectionError("socket closed")
-        self.start()
+        loop = self.start()
         if not self._try_send(frames):
-            done = self._loop.create_future()
+            done = loop.create_future()
             self._queue(frames, done)
             await done
 

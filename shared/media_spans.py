@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from shared.keys import ChunkKey
 from shared.messages import MediaSpan
 
 
@@ -19,7 +20,7 @@ class ChunkPlace:
 
     start: int
     end: int
-    key: bytes  # chunk_key
+    key: ChunkKey
     span: MediaSpan
     index: int  # within its span
 

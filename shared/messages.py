@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.keys import BlockHash, ChunkKey
 from shared.wire import message
 
 # --- control (every stage) ---------------------------------------------------
@@ -55,7 +56,7 @@ class EncodeItem:
     encoder normalises and patchifies them.
     """
 
-    key: bytes  # chunk_key
+    key: ChunkKey
     modality: str  # "image" | "video"
     pixels: torch.Tensor
 
@@ -68,14 +69,14 @@ class LookupRequest:
     With ``handoff`` the keys it has are pinned until the request's LLM stage fetches them.
     """
 
-    keys: list[bytes]
+    keys: list[ChunkKey]
     handoff: bool = True
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class LookupReply:
-    missing: list[bytes]
+    missing: list[ChunkKey]
 
 
 @message
@@ -102,7 +103,7 @@ class EncodeReply:
 class FetchRequest:
     """Embedding rows ``[start, end)`` of one chunk (LLM stage → encoder)."""
 
-    key: bytes  # chunk_key
+    key: ChunkKey
     start: int
     end: int
     release: bool = False  # drop this request's hand-off pin after the read
@@ -119,7 +120,7 @@ class FetchReply:
 class ReleaseHandoff:
     """The LLM stage will not fetch these chunks after all (its cached prefix covers them)."""
 
-    keys: list[bytes]
+    keys: list[ChunkKey]
 
 
 # --- processor → llm ---------------------------------------------------------
@@ -137,7 +138,7 @@ class MediaSpan:
     offset: int
     modality: str  # "image" | "video"
     grid_thw: tuple[int, int, int]  # in patches, before the spatial merge
-    chunk_keys: list[bytes]
+    chunk_keys: list[ChunkKey]
     seconds_per_chunk: float = 1.0  # temporal_patch_size / sampling fps (video only)
     merge_size: int = 2
 
@@ -198,7 +199,7 @@ class ProbeRequest:
     # The prompt's block hashes, computed once by the processor for every replica it probes;
     # a replica with another block size (or when absent) computes its own.
     block_size: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
 
 @message
@@ -226,7 +227,7 @@ class GenerateRequest:
     sampling: SamplingParams
     salt: str | None = None
     probe_id: int = 0  # pin from an earlier ProbeRequest, released once the prefix is held
-    stream: bool = True  # False: one reply with every token at the end (nobody reads them earlier)
+    stream: bool = True  # False: nobody reads tokens as they come: one reply per 16 or so, not per step
     # A generation moved here from a replica that died: the tokens it had generated already
     # (this replica continues after them and sends only what comes next).
     resume_token_ids: list[int] = field(default_factory=list)
@@ -264,7 +265,7 @@ class NeedEncode:
     (evicted, never encoded because a cached prefix covered them, encoder gone). The request
     stays alive: encode them again and answer with :class:`Reencoded`."""
 
-    keys: list[bytes]
+    keys: list[ChunkKey]
     cause: str = "missing"  # "missing" | "unreachable"
 
 
@@ -275,7 +276,7 @@ class Reencoded:
     are at their encoders again (and pinned for this request)."""
 
     request_id: int  # the generate request's id on this connection
-    keys: list[bytes]
+    keys: list[ChunkKey]
     sources: list[str]  # encoder address per chunk, as in GenerateRequest (owners may have moved)
 
 

@@ -79,9 +79,10 @@ class StatsCollector(Collector):
         for f in self._families:
             value = stats[f.key]
             cls = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
-            if f.label is None:
+            if not isinstance(value, Mapping):
                 yield cls(f.name, f.help, value=value)
                 continue
+            assert f.label is not None, f"{f.key}: a mapping of samples needs a label"
             family = cls(f.name, f.help, labels=[f.label])
             for label, v in sorted(value.items()):
                 family.add_metric([label], v)

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -81,7 +81,7 @@ class RpcClient:
 
     def _on_monitor(self) -> None:
         # NOTE: like the data socket's, the monitor's descriptor is edge-triggered: drain it all.
-        while self._monitor is not None and self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        while self._monitor is not None and cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.lost = False
@@ -107,7 +107,7 @@ class RpcClient:
         except Exception as exc:  # a bad peer must not stop this client
             log.warning("%s: dropping bad reply from %s: %s", self._name, self.address, exc)
             return
-        waiter = self._queues.get(env.get("rid"))
+        waiter = self._queues.get(env.get("rid", 0))
         if waiter is None:  # a late reply to a request that timed out
             return
         if isinstance(waiter, asyncio.Queue):

@@ -20,6 +20,7 @@ import torch
 PROTOCOL_VERSION = 3
 
 _REGISTRY: dict[str, type] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}  # each registered dataclass's field names
 _TUPLE_FIELDS: dict[type, tuple[str, ...]] = {}  # msgpack has no tuples: restored on decode
 _T = TypeVar("_T")
 
@@ -47,6 +48,7 @@ def message(cls: type[_T]) -> type[_T]:
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise TypeError(f"duplicate wire type {name}")
     _REGISTRY[name] = cls
+    _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
     _TUPLE_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if str(f.type).startswith("tuple"))
     return cls
 
@@ -62,7 +64,7 @@ def encode(msg: Any, envelope: dict[str, Any] | None = None) -> list[Any]:
         if isinstance(obj, torch.Tensor):
             return _tensor_ref(obj, buffers)
         if _REGISTRY.get(type(obj).__name__) is type(obj):
-            out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            out = {name: getattr(obj, name) for name in _FIELDS[type(obj)]}
             out["__dc__"] = type(obj).__name__
             return out
         raise TypeError(f"cannot serialize {type(obj).__name__}")

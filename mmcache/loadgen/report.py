@@ -22,10 +22,12 @@ TIERS = {
 
 
 def _percentiles(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
-    arr = np.asarray(xs)
-    return {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES} | {"mean": float(arr.mean())}
+    arr = np.asarray(xs) if xs else None
+    out: dict[str, float | None] = {}
+    for p in PERCENTILES:
+        out[f"p{p}"] = float(np.percentile(arr, p)) if arr is not None else None
+    out["mean"] = float(arr.mean()) if arr is not None else None
+    return out
 
 
 def hit_rates(before: Samples | None, after: Samples | None) -> dict[str, float | None]:
@@ -70,7 +72,7 @@ def summary(run: Run) -> dict:
 
 
 def write_json(path: Path, runs: list[Run], summaries: list[dict]) -> None:
-    doc = {
+    doc: dict[str, object] = {
         "runs": [
             s | {"outcomes": [o.as_dict() for o in r.outcomes]} for r, s in zip(runs, summaries, strict=True)
         ]

@@ -27,24 +27,27 @@ class Streamed:
 
 
 def stream_bodies(
-    model: str, salt: str, offset: int, count: int, max_tokens: int, side: int = 160
+    model: str, salt: str, offset: int, count: int, max_tokens: int, side: int = 160, plain: bool = False
 ) -> list[dict]:
-    """``count`` streaming requests, each its own image (``side`` high, their widths vary around
-    it); a third of them seeded sampling. Every answer runs to ``max_tokens`` (``ignore_eos``), so
-    the streams are still going at a kill."""
+    """``count`` requests, each its own image (``side`` high, their widths vary around it); a
+    third of them seeded sampling; ``plain``: every fourth is not streamed (the client waits for
+    the whole answer). Every answer runs to ``max_tokens`` (``ignore_eos``), so the requests are
+    still going at a kill."""
     out = []
     for i in range(count):
         img = image_bytes(side + 16 * (i % 4), side, seed=offset + i)
         extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}
         body = chat(model, [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
-        body.update(max_tokens=max_tokens, ignore_eos=True, stream=True, cache_salt=salt)
-        body["stream_options"] = {"include_usage": True}
+        streamed = not (plain and i % 4 == 3)
+        body.update(max_tokens=max_tokens, ignore_eos=True, stream=streamed, cache_salt=salt)
+        if streamed:
+            body["stream_options"] = {"include_usage": True}
         out.append(body)
     return out
 
 
 class Started:
-    """How many streams have had their first tokens."""
+    """How many streams have had their first tokens (or their ``at``-th)."""
 
     def __init__(self):
         self.count = 0
@@ -62,8 +65,32 @@ class Started:
             )
 
 
-def stream(host: str, port: int, body: dict, started: Started, timeout: float = 120) -> Streamed:
-    """POST ``body`` and read its server-sent events to the end."""
+def complete(host: str, port: int, body: dict, timeout: float = 120) -> Streamed:
+    """POST a body that is not streamed; its answer."""
+    out = Streamed()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}: {raw[:300]!r}"
+            return out
+        answer = json.loads(raw)
+        out.text = answer["choices"][0]["message"]["content"]
+        out.completion_tokens = answer["usage"]["completion_tokens"]
+    except Exception as exc:  # the test counts it as failed
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    return out
+
+
+def stream(host: str, port: int, body: dict, started: Started, at: int = 1, timeout: float = 120) -> Streamed:
+    """POST ``body`` and read its server-sent events to the end; ``started`` hears of it once it
+    has had ``at`` content deltas (or ended). A body that is not streamed is :func:`complete`d."""
+    if not body["stream"]:
+        return complete(host, port, body, timeout)
     out = Streamed()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     first = True
@@ -87,7 +114,7 @@ def stream(host: str, port: int, body: dict, started: Started, timeout: float = 
                 if content:
                     out.text += content
                     out.arrivals.append(time.monotonic())
-                    if first:
+                    if first and len(out.arrivals) >= at:
                         first = False
                         started.one()
     except Exception as exc:  # the test counts it as failed
@@ -114,12 +141,13 @@ def run_all(
     load: list[dict],
     kill: Callable[[], object] | None = None,
     after: int = 0,
+    at: int = 1,
     start_timeout: float = 120,
 ) -> tuple[list[Streamed], KillWindow]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have their first tokens."""
+    """Every body at once; ``kill()`` runs once ``after`` streams have had ``at`` tokens."""
     started = Started()
     with ThreadPoolExecutor(len(load)) as pool:
-        futures = [pool.submit(stream, host, port, b, started) for b in load]
+        futures = [pool.submit(stream, host, port, b, started, at) for b in load]
         window = KillWindow()
         if kill is not None:
             started.wait(after, timeout=start_timeout)

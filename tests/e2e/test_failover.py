@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -39,12 +40,12 @@ CONCURRENT = 24
 MAX_TOKENS = 96  # long enough that every stream is still going when the replica is killed
 
 
-def bodies(salt: str, offset: int, side: int = 160) -> list[dict]:
-    return stream_bodies("qwen2-vl", salt, offset, CONCURRENT, MAX_TOKENS, side)
+def bodies(salt: str, offset: int, side: int = 160, plain: bool = False) -> list[dict]:
+    return stream_bodies("qwen2-vl", salt, offset, CONCURRENT, MAX_TOKENS, side, plain)
 
 
-def run(stack: Stack, load: list[dict], kill=None, after: int = 0):
-    return run_all("127.0.0.1", stack.port, load, kill, after)
+def run(stack: Stack, load: list[dict], kill=None, after: int = 0, at: int = 1):
+    return run_all("127.0.0.1", stack.port, load, kill, after, at)
 
 
 def llm_loads(addresses: list[str]) -> list[int]:
@@ -84,7 +85,7 @@ def loss(request) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, loss):
-    s = Stack(tiny_model, encoders=2, llms=2)
+    s = Stack(tiny_model, encoders=2, llms=2, processors=2)
     yield s
     for p in s.procs:  # NOTE: a stopped process handles SIGTERM only once it runs again
         if p.poll() is None:
@@ -92,7 +93,11 @@ def stack(tiny_model, loss):
     s.stop()
 
 
+_lost: set[int] = set()  # pids of the replicas lost so far (a stopped one still "runs")
+
+
 def lose(proc, loss: str) -> None:
+    _lost.add(proc.pid)
     proc.send_signal(LOSSES[loss])
     if loss == "killed":
         proc.wait(timeout=10)
@@ -115,28 +120,69 @@ def test_encoder_lost_mid_load_fails_nothing(stack, loss):
 
 
 def test_llm_lost_mid_stream_migrates_streams(stack, loss):
-    want, _ = run(stack, bodies("uninterrupted-llm", 900))
+    """Streamed and not: every request the lost replica was generating moves with its tokens so
+    far (a request nobody reads token by token still reports them every 16 tokens)."""
+    want, _ = run(stack, bodies("uninterrupted-llm", 900, plain=True))
     before = counters(stack)
-    killed = []
+    load, killed = [], []
 
     def kill() -> None:
         """Lose the LLM replica running the most of these requests (LLM procs follow encoders')."""
-        load = llm_loads(stack.llms)
+        load.extend(llm_loads(stack.llms))
         print(f"\nLLM replicas' load at the loss: {load}")
         killed.append(stack.procs[len(stack.encoders) + load.index(max(load))])
         lose(killed[0], loss)
 
-    # lost once every stream has its first tokens: each of its streams moves mid-answer
-    got, killed_at = run(stack, bodies(f"{loss}-llm", 900), kill, after=CONCURRENT)
+    # NOTE: lost once every stream has 24 tokens: the requests that are not streamed, sent and
+    # decoded with them, have reported 16 by then, so every request moves mid-answer.
+    load_ = bodies(f"{loss}-llm", 900, plain=True)
+    streams = sum(b["stream"] for b in load_)
+    got, killed_at = run(stack, load_, kill, after=streams, at=24)
     delta = check(f"LLM replica {loss}", stack, got, want, before, killed_at)
-    assert delta["migrated"] > 0  # streams really moved mid-answer
+    assert delta["migrated"] == max(load) and delta["retried"] == 0, (delta, load)
     assert delta["exhausted"] == 0
+
+
+def test_processor_lost_the_other_serves(stack, loss):
+    """Two processors share the stages; the second is lost mid-load. Every request at the first
+    succeeds with the uninterrupted answer, and the LLM replicas stop the lost processor's
+    generations at once (its connections close, or their heartbeat closes them) instead of
+    running them to their (long) max_tokens. Its own clients lose their HTTP connections."""
+    survivor, lost = stack.procs[-2:]
+    want, _ = run(stack, bodies("uninterrupted-proc", 1300)[::2])
+    load = bodies(f"{loss}-proc", 1300)
+    kept, doomed = load[::2], load[1::2]
+    for body in doomed:
+        body["max_tokens"] = 2000  # ~a minute of decoding if nothing stops it
+    before = counters(stack)
+    started = Started()
+    with ThreadPoolExecutor(len(load)) as pool:
+        futures = [pool.submit(stream, "127.0.0.1", stack.ports[0], b, started) for b in kept]
+        orphans = [pool.submit(stream, "127.0.0.1", stack.ports[1], b, started, 1, 10) for b in doomed]
+        started.wait(len(load), timeout=120)
+        killed_at = time.monotonic()
+        lose(lost, loss)
+        window = KillWindow(killed_at, time.monotonic())
+        got = [f.result() for f in futures]
+        llm_procs = stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]
+        live = [a for a, p in zip(stack.llms, llm_procs, strict=True) if p.pid not in _lost]
+        while sum(llm_loads(live)) > 0:
+            waited = time.monotonic() - killed_at
+            assert waited < 20, f"the lost processor's generations still run after {waited:.0f} s"
+            time.sleep(0.2)
+        idle = time.monotonic() - killed_at
+        # NOTE: a killed server's stream may just end (the connection closed between events)
+        cut = sum(f.result().completion_tokens != doomed[0]["max_tokens"] for f in orphans)
+    check(f"processor {loss} (at the other)", stack, got, want, before, window)
+    print(f"its {len(doomed)} requests: {cut} cut off; the LLM replicas idle by {idle:.1f} s after the loss")
+    assert cut == len(doomed)
+    assert survivor.poll() is None
 
 
 def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack, loss):
     """Runs after the LLM loss test: the last replica is lost too; a request then ends with a
     503 naming why, in seconds (not at the 120 s stage timeout), and counts as exhausted."""
-    for proc in stack.procs[len(stack.encoders) : -1]:
+    for proc in stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]:
         if proc.poll() is None:
             lose(proc, loss)
     before = counters(stack)

@@ -24,36 +24,30 @@ pytestmark = pytest.mark.e2e
 
 
 class Stack:
-    def __init__(self, model, encoders: int, llms: int):
+    """``encoders`` + ``llms`` stage replicas and ``processors`` processors that reach them all;
+    ``procs`` in that order, ``port``/``url`` the first processor's."""
+
+    def __init__(self, model, encoders: int, llms: int, processors: int = 1):
         env = stage_env()
         self.encoders = [f"tcp://127.0.0.1:{free_port()}" for _ in range(encoders)]
         self.llms = [f"tcp://127.0.0.1:{free_port()}" for _ in range(llms)]
-        self.port = free_port()
+        self.ports = [free_port() for _ in range(processors)]
+        self.port = self.ports[0]
         self.url = f"http://127.0.0.1:{self.port}"
         base = [sys.executable, "-m", "mmcache"]
         cmds = [[*base, "encoder", "--model", str(model), "--bind", a] for a in self.encoders]
         cmds += [[*base, "llm", "--model", str(model), "--bind", a] for a in self.llms]
-        cmds.append(
-            [
-                *base,
-                "processor",
-                "--model",
-                str(model),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--encoder",
-                ",".join(self.encoders),
-                "--llm",
-                ",".join(self.llms),
-            ]
-        )
+        targets = ["--encoder", ",".join(self.encoders), "--llm", ",".join(self.llms)]
+        cmds += [
+            [*base, "processor", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), *targets]
+            for port in self.ports
+        ]
         self.procs = [
             subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in cmds
         ]
         try:
-            wait_healthy(self.url, self.procs)
+            for port in self.ports:
+                wait_healthy(f"http://127.0.0.1:{port}", self.procs)
         except RuntimeError:
             self.stop()
             raise

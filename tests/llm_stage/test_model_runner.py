@@ -58,5 +58,5 @@ def test_qwen3_qk_norm_equals_the_modules_bit_for_bit(tiny_models):
         )
         qk = torch.randn(rows, heads + kv_heads, lm.head_dim, generator=gen) * 3
         want_q, want_k = attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])
-        qk_norm_(qk, fused)
+        qk_norm_(qk, fused.qk_norm, fused.qk_eps)
         assert torch.equal(qk[:, :heads], want_q) and torch.equal(qk[:, heads:], want_k)

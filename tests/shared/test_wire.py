@@ -53,7 +53,7 @@ def _sample(hint: Any, seed: int) -> Any:
         return 0.25 + seed
     if hint is str:
         return f"s{seed}-é"
-    if hint is bytes:
+    if hint is bytes or getattr(hint, "__supertype__", None) is bytes:  # bytes, or a NewType of it
         return bytes([seed % 256, 0, 255]) + b"key"
     if dataclasses.is_dataclass(hint):
         return _instance(hint, seed)
