@@ -69,16 +69,34 @@ class Swarm:
         with ThreadPoolExecutor(len(self.nodes)) as pool:
             list(pool.map(one, self.nodes))
 
-    def deploy(self, stack: str, compose: str, env: dict[str, str]) -> None:
-        sh("docker", "cp", compose, f"{self.nodes[0]}:/compose.yaml")
+    def deploy(self, stack: str, files: list[str], env: dict[str, str]) -> None:
+        """``docker stack deploy`` of compose ``files`` (each overriding the ones before)."""
+        args = []
+        for i, file in enumerate(files):
+            sh("docker", "cp", file, f"{self.nodes[0]}:/compose{i}.yaml")
+            args += ["-c", f"/compose{i}.yaml"]
         flags = [x for k, v in env.items() for x in ("-e", f"{k}={v}")]
-        self.run(self.nodes[0], "docker", "stack", "deploy", "-c", "/compose.yaml", stack, exec_args=flags)
+        self.run(self.nodes[0], "docker", "stack", "deploy", *args, stack, exec_args=flags)
 
     def tasks(self, service: str) -> list[tuple[str, str]]:
         """(node, current state) of each task of ``service`` meant to run."""
         out = self.manage("service", "ps", service, "--filter", "desired-state=running",
                           "--format", "{{.Node}} {{.CurrentState}}")  # fmt: skip
         return [(line.split()[0], line.split(" ", 1)[1]) for line in out.splitlines() if line.strip()]
+
+    def containers(self, node: str, service: str) -> list[str]:
+        """Short ids (a task container's host name) of ``service``'s containers running on ``node``."""
+        label = f"label=com.docker.swarm.service.name={service}"
+        return self.run(node, "docker", "ps", "-q", "--filter", label).split()
+
+    def status(self, node: str) -> str:
+        """The manager's view of ``node``: Ready, Down, ..."""
+        return self.manage("node", "inspect", "-f", "{{.Status.State}}", node).strip()
+
+    def cut(self, node: str) -> None:
+        """Take ``node`` off the network: its peers' connections hang (no RST), as when a cable
+        or a switch port goes."""
+        sh("docker", "network", "disconnect", self.network, node)
 
     def close(self) -> None:
         for node in self.nodes:

@@ -8,15 +8,14 @@ container; per-replica counters show both encoders holding shards and both LLM r
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 
+from tests.deploy.compose import project
 from tests.deploy.docker import (
     STARTUP,
     answers,
     bodies,
-    free_port,
     healthy,
     replica_metrics,
     sh,
@@ -28,14 +27,10 @@ pytestmark = pytest.mark.deploy
 
 
 def test_compose_scales_each_tier(image, reference):
-    project, port = f"mmcache-test-{uuid.uuid4().hex[:8]}", free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {"MMCACHE_IMAGE": image, "PORT": str(port), "MMCACHE_TORCH_THREADS": "1"}
-    compose = ("docker", "compose", "-p", project, "-f", "compose.yaml")
-    label = f"label=com.docker.compose.project={project}"
-    scale = ("up", "-d", "--no-build", "--scale", "llm=2")
-    try:
-        sh(*compose, *scale, "--scale", "encoder=2", env=env)
+    with project(image) as p:
+        base = p.base
+        scale = ("up", "-d", "--no-build", "--scale", "llm=2")
+        p.compose(*scale, "--scale", "encoder=2")
         wait_for("the compose stack", lambda: healthy(base), STARTUP)
         wait_for(
             "2 encoders and 2 LLM replicas up",
@@ -51,7 +46,7 @@ def test_compose_scales_each_tier(image, reference):
 
         # Scale the running stack: the processor finds the third encoder by its name alone.
         before = set(encoded)
-        sh(*compose, *scale, "--no-recreate", "--scale", "encoder=3", env=env)
+        p.compose(*scale, "--no-recreate", "--scale", "encoder=3")
         wait_for("a third encoder", lambda: len(up_replicas(base, "encoder")) == 3, STARTUP)
         more = bodies(reference["model"], range(100, 124))
         assert len(answers(base, more)) == len(more)
@@ -62,13 +57,8 @@ def test_compose_scales_each_tier(image, reference):
 
         # SIGTERM stops every stage by itself (no SIGKILL after the grace period).
         started = time.monotonic()
-        sh(*compose, "stop", "-t", "30", env=env)
+        p.compose("stop", "-t", "30")
         print(f"\n{len(encoded) + 3} containers stopped in {time.monotonic() - started:.1f} s")
-        ids = sh("docker", "ps", "-aq", "--filter", label).split()
+        ids = p.containers()
         codes = {i: sh("docker", "inspect", "-f", "{{.State.ExitCode}}", i).strip() for i in ids}
         assert len(ids) == 6 and "137" not in codes.values(), codes
-    finally:
-        sh(*compose, "down", "-v", "--remove-orphans", "-t", "5", env=env, check=False)
-    assert sh("docker", "ps", "-aq", "--filter", label).strip() == ""
-    assert sh("docker", "network", "ls", "-q", "--filter", label).strip() == ""
-    assert sh("docker", "volume", "ls", "-q", "--filter", label).strip() == ""

@@ -13,23 +13,26 @@ repeats nothing. The uninterrupted answers come from the same stack under anothe
 from __future__ import annotations
 
 import asyncio
-import http.client
-import json
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import pytest
 import zmq
 
-from mmcache.scrape import scrape
 from shared.messages import Ping
 from shared.rpc import RpcClient
+from tests.e2e.streams import (
+    KillWindow,
+    Started,
+    check_unchanged,
+    failover_counters,
+    failover_delta,
+    run_all,
+    stream,
+    stream_bodies,
+)
 from tests.e2e.test_replicas import Stack
-from tests.e2e.util import chat, image_part
-from tests.media import image_bytes
 
 pytestmark = pytest.mark.e2e
 
@@ -37,126 +40,12 @@ CONCURRENT = 24
 MAX_TOKENS = 96  # long enough that every stream is still going when the replica is killed
 
 
-@dataclass
-class Streamed:
-    text: str = ""
-    completion_tokens: int = -1
-    error: str | None = None
-    arrivals: list[float] = field(default_factory=list)  # monotonic time of each content delta
-
-
 def bodies(salt: str, offset: int, side: int = 160, plain: bool = False) -> list[dict]:
-    """``side``: the images' height (their widths vary around it); ``plain``: every fourth
-    request is not streamed (the client waits for the whole answer)."""
-    out = []
-    for i in range(CONCURRENT):
-        img = image_bytes(side + 16 * (i % 4), side, seed=offset + i)
-        extra = {"temperature": 0.8, "seed": 1000 + i} if i % 3 == 2 else {}  # a third sampled
-        body = chat("qwen2-vl", [image_part(img), {"type": "text", "text": f"Picture {i}?"}], **extra)
-        body.update(
-            max_tokens=MAX_TOKENS, ignore_eos=True, stream=not (plain and i % 4 == 3), cache_salt=salt
-        )
-        if body["stream"]:
-            body["stream_options"] = {"include_usage": True}
-        out.append(body)
-    return out
+    return stream_bodies("qwen2-vl", salt, offset, CONCURRENT, MAX_TOKENS, side, plain)
 
 
-class Started:
-    """How many streams have had their first tokens (or their ``at``-th)."""
-
-    def __init__(self):
-        self.count = 0
-        self.cond = threading.Condition()
-
-    def one(self) -> None:
-        with self.cond:
-            self.count += 1
-            self.cond.notify_all()
-
-    def wait(self, n: int, timeout: float) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: self.count >= n, timeout), (
-                f"{self.count} of {n} streams started"
-            )
-
-
-def complete(port: int, body: dict) -> Streamed:
-    """POST a body that is not streamed; its answer."""
-    out = Streamed()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        raw = resp.read()
-        if resp.status != 200:
-            out.error = f"HTTP {resp.status}: {raw[:300]!r}"
-            return out
-        answer = json.loads(raw)
-        out.text, out.completion_tokens = (
-            answer["choices"][0]["message"]["content"],
-            answer["usage"]["completion_tokens"],
-        )
-    except Exception as exc:  # the test counts it as failed
-        out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-    return out
-
-
-def stream(port: int, body: dict, started: Started, at: int = 1, timeout: float = 120) -> Streamed:
-    """POST ``body`` and read its server-sent events to the end; ``started`` hears of it once it
-    has had ``at`` content deltas (or ended)."""
-    if not body["stream"]:
-        return complete(port, body)
-    out = Streamed()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    first = True
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-            return out
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                out.error = json.dumps(event["error"])
-            if event.get("usage"):
-                out.completion_tokens = event["usage"]["completion_tokens"]
-            for choice in event.get("choices", []):
-                content = choice["delta"].get("content")
-                if content:
-                    out.text += content
-                    out.arrivals.append(time.monotonic())
-                    if first and len(out.arrivals) >= at:
-                        first = False
-                        started.one()
-    except Exception as exc:  # the test counts it as failed
-        out.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        conn.close()
-        if first:
-            started.one()  # never leave the killer waiting on one that ended early
-    return out
-
-
-def run_all(
-    stack: Stack, load: list[dict], kill=None, after: int = 0, at: int = 1
-) -> tuple[list[Streamed], float]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have had ``at`` tokens."""
-    started = Started()
-    with ThreadPoolExecutor(len(load)) as pool:
-        futures = [pool.submit(stream, stack.port, b, started, at) for b in load]
-        killed_at = 0.0
-        if kill is not None:
-            started.wait(after, timeout=120)
-            killed_at = time.monotonic()
-            kill()
-        return [f.result() for f in futures], killed_at
+def run(stack: Stack, load: list[dict], kill=None, after: int = 0, at: int = 1):
+    return run_all("127.0.0.1", stack.port, load, kill, after, at)
 
 
 def llm_loads(addresses: list[str]) -> list[int]:
@@ -177,41 +66,12 @@ def llm_loads(addresses: list[str]) -> list[int]:
 
 
 def counters(stack: Stack) -> dict[str, float]:
-    """The processor's failover counters (its own /metrics)."""
-    m = scrape(stack.url + "/metrics")
-    return {
-        "retried": m.total("mmcache_processor_failover_retries_total", stage="llm"),
-        "migrated": m.total("mmcache_processor_failover_migrations_total"),
-        "encoder_retried": m.total("mmcache_processor_failover_retries_total", stage="encoder"),
-        "repairs": m.total("mmcache_processor_repairs_total"),
-        "exhausted": m.total("mmcache_processor_failover_exhausted_total"),
-    }
+    return failover_counters(stack.url)
 
 
-def check(name: str, stack: Stack, got: list[Streamed], want: list[Streamed], before: dict, killed_at: float):
-    after = counters(stack)
-    delta = {k: int(after[k] - before[k]) for k in after}
-    failed = [g.error for g in got if g.error is not None]
-    # The longest wait for a next token that spans the kill: what a moved stream lost.
-    lost = max(
-        (
-            b - a
-            for g in got
-            for a, b in zip(g.arrivals, g.arrivals[1:], strict=False)
-            if a <= killed_at + 0.05 and b >= killed_at
-        ),
-        default=0.0,
-    )
-    print(
-        f"\n{name}: sent {len(got)} succeeded {len(got) - len(failed)} retried {delta['retried']} "
-        f"migrated {delta['migrated']} encoder retries {delta['encoder_retried']} repairs {delta['repairs']} "
-        f"failed {len(failed)}; longest gap across the kill {lost * 1000:.0f} ms"
-    )
-    assert not failed, failed[:3]
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert w.error is None and w.completion_tokens == MAX_TOKENS, (i, w.error)
-        # no token lost or repeated: the same text and the same token count as uninterrupted
-        assert (g.text, g.completion_tokens) == (w.text, w.completion_tokens), i
+def check(name: str, stack: Stack, got, want, before: dict, killed_at: KillWindow) -> dict[str, int]:
+    delta = failover_delta(stack.url, before)
+    check_unchanged(name, got, want, delta, killed_at, MAX_TOKENS)
     return delta
 
 
@@ -247,24 +107,22 @@ def test_encoder_lost_mid_load_fails_nothing(stack, loss):
     # NOTE: images big enough that the 24 prompts take several engine steps to prefill (the
     # 2,048-token step budget): when the first stream starts and the encoder is lost, the others
     # are still being encoded, or their rows are still to be fetched from it.
-    want, _ = run_all(stack, bodies("uninterrupted-enc", 500, side=336))
+    want, _ = run(stack, bodies("uninterrupted-enc", 500, side=336))
     before = counters(stack)
     encoder = stack.procs[0]
-    got, killed_at = run_all(
-        stack, bodies(f"{loss}-enc", 500, side=336), lambda: lose(encoder, loss), after=1
-    )
+    got, killed_at = run(stack, bodies(f"{loss}-enc", 500, side=336), lambda: lose(encoder, loss), after=1)
     delta = check(f"encoder {loss}", stack, got, want, before, killed_at)
     # the kill really hit requests in flight: encoded again at the next owner, or repaired
     assert delta["encoder_retried"] + delta["repairs"] > 0, delta
     # new requests after the kill: encoded at the survivor, no error
-    again, _ = run_all(stack, bodies("after-enc", 700))
+    again, _ = run(stack, bodies("after-enc", 700))
     assert all(g.error is None and g.completion_tokens == MAX_TOKENS for g in again)
 
 
 def test_llm_lost_mid_stream_migrates_streams(stack, loss):
     """Streamed and not: every request the lost replica was generating moves with its tokens so
     far (a request nobody reads token by token still reports them every 16 tokens)."""
-    want, _ = run_all(stack, bodies("uninterrupted-llm", 900, plain=True))
+    want, _ = run(stack, bodies("uninterrupted-llm", 900, plain=True))
     before = counters(stack)
     load, killed = [], []
 
@@ -279,7 +137,7 @@ def test_llm_lost_mid_stream_migrates_streams(stack, loss):
     # decoded with them, have reported 16 by then, so every request moves mid-answer.
     load_ = bodies(f"{loss}-llm", 900, plain=True)
     streams = sum(b["stream"] for b in load_)
-    got, killed_at = run_all(stack, load_, kill, after=streams, at=24)
+    got, killed_at = run(stack, load_, kill, after=streams, at=24)
     delta = check(f"LLM replica {loss}", stack, got, want, before, killed_at)
     assert delta["migrated"] == max(load) and delta["retried"] == 0, (delta, load)
     assert delta["exhausted"] == 0
@@ -291,7 +149,7 @@ def test_processor_lost_the_other_serves(stack, loss):
     generations at once (its connections close, or their heartbeat closes them) instead of
     running them to their (long) max_tokens. Its own clients lose their HTTP connections."""
     survivor, lost = stack.procs[-2:]
-    want, _ = run_all(stack, bodies("uninterrupted-proc", 1300)[::2])
+    want, _ = run(stack, bodies("uninterrupted-proc", 1300)[::2])
     load = bodies(f"{loss}-proc", 1300)
     kept, doomed = load[::2], load[1::2]
     for body in doomed:
@@ -299,11 +157,12 @@ def test_processor_lost_the_other_serves(stack, loss):
     before = counters(stack)
     started = Started()
     with ThreadPoolExecutor(len(load)) as pool:
-        futures = [pool.submit(stream, stack.ports[0], b, started) for b in kept]
-        orphans = [pool.submit(stream, stack.ports[1], b, started, 1, 10) for b in doomed]
+        futures = [pool.submit(stream, "127.0.0.1", stack.ports[0], b, started) for b in kept]
+        orphans = [pool.submit(stream, "127.0.0.1", stack.ports[1], b, started, 1, 10) for b in doomed]
         started.wait(len(load), timeout=120)
         killed_at = time.monotonic()
         lose(lost, loss)
+        window = KillWindow(killed_at, time.monotonic())
         got = [f.result() for f in futures]
         llm_procs = stack.procs[len(stack.encoders) : len(stack.encoders) + len(stack.llms)]
         live = [a for a, p in zip(stack.llms, llm_procs, strict=True) if p.pid not in _lost]
@@ -314,7 +173,7 @@ def test_processor_lost_the_other_serves(stack, loss):
         idle = time.monotonic() - killed_at
         # NOTE: a killed server's stream may just end (the connection closed between events)
         cut = sum(f.result().completion_tokens != doomed[0]["max_tokens"] for f in orphans)
-    check(f"processor {loss} (at the other)", stack, got, want, before, killed_at)
+    check(f"processor {loss} (at the other)", stack, got, want, before, window)
     print(f"its {len(doomed)} requests: {cut} cut off; the LLM replicas idle by {idle:.1f} s after the loss")
     assert cut == len(doomed)
     assert survivor.poll() is None
@@ -328,7 +187,7 @@ def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack, loss):
             lose(proc, loss)
     before = counters(stack)
     t0 = time.monotonic()
-    got = stream(stack.port, bodies("nothing-left", 1100)[0], Started())
+    got = stream("127.0.0.1", stack.port, bodies("nothing-left", 1100)[0], Started())
     elapsed = time.monotonic() - t0
     print(f"\nno LLM replica left: {got.error} after {elapsed:.2f} s")
     assert got.error is not None and "503" in got.error and "stage_unavailable" in got.error, got.error

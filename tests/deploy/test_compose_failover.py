@@ -1,0 +1,78 @@
+"""Kill test on the real engine: ``docker compose up --scale encoder=2 --scale llm=2``, 32
+concurrent streaming image requests (a third of them seeded sampling), and once every stream
+has its first tokens, ``docker kill`` of one encoder container and of the LLM container running
+the most of them.
+
+Nothing fails and every answer (text and token count) is the one an uninterrupted run of the same
+requests got on the same stack under another ``cache_salt``; the killed replica's streams moved
+to the other LLM replica mid-answer (the processor's migration counter). Requests sent after the
+kill are served by the survivors.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.deploy.compose import Project, project
+from tests.deploy.docker import STARTUP, get, healthy, sh, up_replicas, wait_for
+from tests.e2e.streams import check_unchanged, failover_counters, failover_delta, run_all, stream_bodies
+
+pytestmark = pytest.mark.deploy
+
+CONCURRENT = 32
+MAX_TOKENS = 96  # long enough that every stream is still going when the containers are killed
+START = 300  # seconds for every stream's first tokens (32 prefills in containers on two cores)
+
+
+def container_of(p: Project, service: str, address: str) -> str:
+    """The container of ``service`` that ``address`` (as the processor's /health lists it) reaches."""
+    ip = address.removeprefix("tcp://").rpartition(":")[0]
+    (found,) = [c for c in p.containers(service) if p.ip(c) == ip]
+    return found
+
+
+def test_compose_kill_of_an_encoder_and_an_llm_container_fails_nothing(image):
+    with project(image) as p:
+        p.compose("up", "-d", "--no-build", "--scale", "encoder=2", "--scale", "llm=2")
+        wait_for("the compose stack", lambda: healthy(p.base), STARTUP)
+        wait_for(
+            "2 encoders and 2 LLM replicas up",
+            lambda: len(up_replicas(p.base, "encoder")) == 2 and len(up_replicas(p.base, "llm")) == 2,
+            STARTUP,
+        )
+        model = get(p.base + "/v1/models")[1]["data"][0]["id"]
+
+        def load(salt: str, offset: int = 0, count: int = CONCURRENT) -> list[dict]:
+            return stream_bodies(model, salt, offset, count, MAX_TOKENS)
+
+        def run(bodies: list[dict], kill=None):
+            return run_all("127.0.0.1", p.port, bodies, kill, after=len(bodies), start_timeout=START)
+
+        want, _ = run(load("uninterrupted"))
+        before = failover_counters(p.base)
+        killed: dict[str, str] = {}
+
+        def kill() -> None:
+            """``docker kill`` the LLM replica with the most requests in progress, and an encoder."""
+            _, health = get(p.base + "/health")
+            llms = {r["address"]: r["load"] for r in health["stages"] if r["stage"] == "llm" and r["ok"]}
+            encoders = sorted(r["address"] for r in health["stages"] if r["stage"] == "encoder")
+            print(f"\nLLM replicas' load at the kill: {llms}")
+            killed["llm"] = container_of(p, "llm", max(llms, key=llms.get))
+            killed["encoder"] = container_of(p, "encoder", encoders[0])
+            sh("docker", "kill", killed["llm"], killed["encoder"])
+
+        got, window = run(load("killed"), kill)
+        delta = failover_delta(p.base, before)
+        check_unchanged("compose: LLM and encoder containers killed", got, want, delta, window, MAX_TOKENS)
+        assert delta["migrated"] > 0, delta  # streams really moved mid-answer
+        assert delta["exhausted"] == 0, delta
+        for service, container in killed.items():  # really dead (and not restarted)
+            state = sh("docker", "inspect", "-f", "{{.State.Status}}", container).strip()
+            assert state == "exited", (service, state)
+
+        # New images after the kill: encoded at the surviving encoder, served by the other LLM.
+        after = load("after-kill", offset=500, count=8)
+        again, _ = run(after)
+        assert [g.error for g in again] == [None] * len(after)
+        assert all(g.completion_tokens == MAX_TOKENS for g in again)
