@@ -143,16 +143,25 @@ def run_all(
     after: int = 0,
     at: int = 1,
     start_timeout: float = 120,
+    early: Callable[[], object] | None = None,
 ) -> tuple[list[Streamed], KillWindow]:
-    """Every body at once; ``kill()`` runs once ``after`` streams have had ``at`` tokens."""
+    """Every body at once; ``early()`` runs once the first stream has its first tokens (the others
+    still being encoded or prefilled), ``kill()`` once ``after`` streams have had ``at`` tokens;
+    the window runs from the first of them to the end of the last."""
     started = Started()
     with ThreadPoolExecutor(len(load)) as pool:
         futures = [pool.submit(stream, host, port, b, started, at) for b in load]
         window = KillWindow()
+        start = None
+        if early is not None:
+            started.wait(1, timeout=start_timeout)
+            start = time.monotonic()
+            early()
         if kill is not None:
             started.wait(after, timeout=start_timeout)
-            start = time.monotonic()
+            start = start or time.monotonic()
             kill()
+        if start is not None:
             window = KillWindow(start, time.monotonic())
         return [f.result() for f in futures], window
 
