@@ -6,6 +6,8 @@ as vLLM renders them: a token that holds part of a multi-byte character shows U+
 
 from __future__ import annotations
 
+from typing import Any
+
 from shared.messages import TokenLogprobs
 
 _MAX_CACHED = 4096  # decoded tokens kept per response (bounded: a prompt may hold many distinct ids)
@@ -14,7 +16,7 @@ _MAX_CACHED = 4096  # decoded tokens kept per response (bounded: a prompt may ho
 class TokenText:
     """Token id → decoded text, remembered for one response."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer
         self._tok = tokenizer
         self._text: dict[int, str] = {}
 

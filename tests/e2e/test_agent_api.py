@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
 
 from tests.e2e.server import Server, serving
-from tests.e2e.util import metrics
+from tests.e2e.util import metrics, stream_events
 from tests.openai_schema import validate, validate_stream
 
 pytestmark = pytest.mark.e2e
@@ -90,17 +90,6 @@ def raw(server: Server, body: dict) -> dict:
     return out
 
 
-def raw_stream(server: Server, body: dict) -> list[dict]:
-    data = json.dumps({"model": server.model.name, "stream": True, **body}).encode()
-    req = urllib.request.Request(
-        server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
 def metric(server: Server, name: str) -> float:
     """An LLM-stage counter, summed over its replicas (each serves its own /metrics)."""
     return metrics(server)[f"mmcache_llm_{name}_total"]
@@ -114,10 +103,10 @@ def test_response_and_every_stream_chunk_validate_against_openai_schema(server) 
     out = raw(server, body)
     validate(out, "CreateChatCompletionResponse")
     assert out["choices"][0]["message"]["refusal"] is None
-    chunks = raw_stream(server, {**body, "stream_options": {"include_usage": True}})
+    chunks = stream_events(server, {**body, "stream_options": {"include_usage": True}})
     validate_stream(chunks, include_usage=True)  # usage: null on every chunk before the last
     assert chunks[-1]["usage"]["completion_tokens"] == 8
-    validate_stream(raw_stream(server, body), include_usage=False)
+    validate_stream(stream_events(server, body), include_usage=False)
 
 
 def test_logprobs_validate_against_openai_schema(server) -> None:
@@ -125,7 +114,7 @@ def test_logprobs_validate_against_openai_schema(server) -> None:
     out = raw(server, body)
     validate(out, "CreateChatCompletionResponse")
     assert len(out["choices"][0]["logprobs"]["content"]) == 4
-    chunks = raw_stream(server, body)
+    chunks = stream_events(server, body)
     for chunk in chunks:
         validate(chunk, "CreateChatCompletionStreamResponse")
     streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
@@ -201,7 +190,7 @@ def test_n_two_gives_two_choices_from_one_prefill(server) -> None:
     assert out["choices"][0]["message"]["content"] != out["choices"][1]["message"]["content"]  # seed + i
     again = raw(server, {"messages": long_question, "max_tokens": 6, "n": 2, "temperature": 1.0, "seed": 3})
     assert [c["message"] for c in again["choices"]] == [c["message"] for c in out["choices"]]
-    chunks = raw_stream(
+    chunks = stream_events(
         server,
         {
             "messages": long_question,
@@ -256,7 +245,7 @@ def test_a_choice_ended_by_its_stop_string_stops_generating(server, baseline, st
     request = {**body, "max_tokens": MAX_STOP_TOKENS, "stop": [stop]}
     before = _generated_tokens(server)
     if stream:
-        chunks = raw_stream(server, {**request, "stream_options": {"include_usage": True}})
+        chunks = stream_events(server, {**request, "stream_options": {"include_usage": True}})
         validate_stream(chunks, include_usage=True)
         usage = chunks[-1]["usage"]
         answers = [

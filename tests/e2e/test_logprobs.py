@@ -7,16 +7,15 @@ the non-streaming and the streaming shape, cold and warm (prefix cache hit).
 
 from __future__ import annotations
 
-import json
 import math
-import urllib.request
 
 import pytest
 from transformers import AutoTokenizer
 
 from tests import media
-from tests.e2e.server import Server, serving
+from tests.e2e.server import serving
 from tests.e2e.test_exactness import reference_inputs
+from tests.e2e.util import stream_events
 from tests.hf_reference import hf_greedy_logprobs, load
 
 pytestmark = pytest.mark.e2e
@@ -137,17 +136,6 @@ def test_no_logprobs_unless_asked(server) -> None:
     assert "prompt_logprobs" not in body
 
 
-def _sse(server: Server, body: dict) -> list[dict]:
-    data = json.dumps({**body, "stream": True}).encode()
-    req = urllib.request.Request(
-        server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
 def test_a_stop_string_ends_the_logprobs_with_the_text(server) -> None:
     """The logprobs cover the answer's tokens: through the one that completes the stop string (as
     vLLM does), not the ones the stage generated after it; streamed and not alike."""
@@ -184,7 +172,7 @@ def test_a_stop_string_ends_the_logprobs_with_the_text(server) -> None:
     assert [e["token"] for e in entries] == [e["token"] for e in before]
     # NOTE: within TOL, not equal: the second request's prompt is a prefix-cache hit.
     assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in before], abs=TOL)
-    chunks = _sse(server, {**body, "stop": [stop]})
+    chunks = stream_events(server, {**body, "stop": [stop]})
     streamed = [e for c in chunks for ch in c["choices"] if ch["logprobs"] for e in ch["logprobs"]["content"]]
     assert streamed == entries
     assert (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.e2e.server import Server
@@ -50,3 +52,16 @@ def tokens(out: dict) -> list[int]:
 def post_many(server: Server, bodies: list[dict]) -> list[dict]:
     with ThreadPoolExecutor(len(bodies)) as pool:
         return list(pool.map(lambda b: ok(server, b), bodies))
+
+
+def stream_events(server: Server, body: dict) -> list[dict]:
+    """POST ``body`` streamed (the server's model unless it names one); its events, the closing
+    ``[DONE]`` checked and left out."""
+    data = json.dumps({"model": server.model.name, **body, "stream": True}).encode()
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
