@@ -21,3 +21,12 @@ def test_there_are_benchmarks():
 def test_benchmark_imports(name):
     module = importlib.import_module(name)
     assert module.__doc__, f"{name} says what it measures"
+
+
+def test_the_metrics_benchmark_runs_against_the_metrics_as_they_are():
+    """It feeds the stages' metrics hand-made stats (well under a second): a key they read and
+    it lacks would crash it, as happened when metrics were added."""
+    from benchmarks import metrics
+
+    results = metrics.run(quick=True)
+    assert {r.name for r in results} >= {"metrics.processor_request", "metrics.llm_step"}
