@@ -11,10 +11,13 @@ _WINDOW = 6  # tokens of left context when decoding the newest ones
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self._tok = tokenizer
         self._special = set(tokenizer.all_special_ids)
         self._stop = stop
+        # A stop string ends the answer only once it has more than min_tokens tokens (vLLM's rule):
+        # one completed before that is part of the answer.
+        self._min_tokens = min_tokens
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # all text decoded so far (stop string removed once matched)
@@ -60,6 +63,8 @@ class Detokenizer:
         self._read = len(self.token_ids)
         start = max(0, len(self.text) - self._hold)
         self.text += new
+        if len(self.token_ids) <= self._min_tokens:
+            return
         found = [at for stop in self._stop if (at := self.text.find(stop, start)) != -1]
         if found:
             self.text = self.text[: min(found)]  # the earliest stop string wins

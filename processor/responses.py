@@ -32,7 +32,7 @@ class Choice:
 
     def __init__(self, index: int, tokenizer, req: ChatRequest, text: lp_shapes.TokenText | None = None):
         self.index = index
-        self.detok = Detokenizer(tokenizer, req.stop)
+        self.detok = Detokenizer(tokenizer, req.stop, req.min_tokens)
         self.text = text or lp_shapes.TokenText(tokenizer)
         self.want_logprobs = req.logprobs
         self.logprobs: list[dict] = []  # OpenAI's logprobs.content entries, one per output token

@@ -10,6 +10,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -17,9 +18,25 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_IVL_MS = 500  # a ZMTP PING every half second on every connection ...
-HEARTBEAT_TIMEOUT_MS = 2000  # ... and a connection silent this long after one is closed
+HEARTBEAT_TIMEOUT = 1.0  # seconds: a connection that has sent no whole frame for this long since
+# a ZMTP PING is closed (MMCACHE_HEARTBEAT_TIMEOUT overrides); a PING goes out every quarter of it.
 MAX_QUEUED_PER_PEER = 4096  # replies waiting for one peer's room; more are dropped (callers time out)
+
+
+def heartbeat_timeout_ms() -> int:
+    """The heartbeat timeout, from ``MMCACHE_HEARTBEAT_TIMEOUT`` (seconds) or the default.
+
+    NOTE: ZeroMQ counts a frame as traffic only once it has arrived whole, so a link slower than
+    (largest frame) / timeout (a 125 MB frame on 1 Gbit/s at 1 s) needs a longer timeout.
+    """
+    raw = os.environ.get("MMCACHE_HEARTBEAT_TIMEOUT")
+    try:
+        seconds = HEARTBEAT_TIMEOUT if raw is None else float(raw)
+    except ValueError:
+        raise ValueError(f"MMCACHE_HEARTBEAT_TIMEOUT={raw!r}: not a number of seconds") from None
+    if not 0.2 <= seconds <= 3600:
+        raise ValueError(f"MMCACHE_HEARTBEAT_TIMEOUT={raw!r}: must be 0.2 to 3600 seconds")
+    return round(seconds * 1000)
 
 
 class LoopSocket:
@@ -44,8 +61,9 @@ class LoopSocket:
         # node cut off the network: no FIN, no RST) would hold every request sent to it until a
         # timeout. ZMTP heartbeats, answered by the peer's I/O thread, close such a connection
         # within seconds, and the socket monitor reports it like any drop.
-        self.sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        timeout_ms = heartbeat_timeout_ms()
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(timeout_ms // 4, 50))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         self._router = kind == zmq.ROUTER
         self._on_message = on_message  # runs in the loop; must not block
         self._queued: dict[bytes | None, collections.deque[tuple[list[Any], asyncio.Future | None]]] = {}

@@ -4,9 +4,9 @@ the test creates (the recipe and kernel settings this machine needs are in tests
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from tests.deploy.docker import ROOT, sh, wait_for
 
@@ -56,18 +56,18 @@ class Swarm:
         return self.manage("node", "ls", "--format", "{{.Status}}").split().count("Ready")
 
     def load(self, image: str) -> None:
-        """``docker save | docker load`` into every node (no registry), all nodes at once."""
-
-        def one(node: str) -> None:
+        """``docker save | docker load`` into every node (no registry), one node at a time: a load
+        unpacks the whole archive to a temporary folder before it stores the layers, so loads at
+        once would need an image's size on disk per node twice over."""
+        for node in self.nodes:
             save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
             try:
                 sh("docker", "exec", "-i", node, "docker", "load", "-q", stdin=save.stdout, timeout=900)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{disk_free()}") from None
             finally:
                 save.stdout.close()
                 assert save.wait() == 0
-
-        with ThreadPoolExecutor(len(self.nodes)) as pool:
-            list(pool.map(one, self.nodes))
 
     def deploy(self, stack: str, files: list[str], env: dict[str, str]) -> None:
         """``docker stack deploy`` of compose ``files`` (each overriding the ones before)."""
@@ -103,3 +103,9 @@ class Swarm:
             sh("docker", "rm", "-f", "-v", node, check=False)
             sh("docker", "volume", "rm", "-f", node, check=False)
         sh("docker", "network", "rm", self.network, check=False)
+
+
+def disk_free() -> str:
+    """Free space where the engine keeps its data (the nodes' volumes and layers live there)."""
+    root = sh("docker", "info", "-f", "{{.DockerRootDir}}").strip()
+    return f"{shutil.disk_usage(root).free / 1e9:.1f} GB free under {root}"

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from tests.deploy.docker import ROOT, answers, bodies, get, replica_metrics, up_replicas, wait_for
-from tests.deploy.swarm import Swarm
+from tests.deploy.swarm import Swarm, disk_free
 from tests.e2e.streams import check_unchanged, failover_counters, failover_delta, run_all, stream_bodies
 
 pytestmark = pytest.mark.deploy
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.deploy
 STARTUP = 420  # seconds: the stage containers of three nodes load torch on two cores
 SERVICES = ("mmcache_encoder", "mmcache_llm", "mmcache_processor")
 CONCURRENT = 30
-MAX_TOKENS = 96  # long enough that every stream is still going when the node is cut
+MAX_TOKENS = 192  # long enough that every stream is still going when the node is cut (96 is, here)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,8 @@ def swarm(image):
     s = Swarm(3)
     try:
         s.load(image)
-        print(f"\nswarm of 3 up and the image loaded into each in {time.monotonic() - started:.0f} s")
+        took = time.monotonic() - started
+        print(f"\nswarm of 3 up and the image loaded into each in {took:.0f} s; {disk_free()}")
         env = {"MMCACHE_IMAGE": image, "PORT": "8000", "MMCACHE_TORCH_THREADS": "1"}
         files = [str(ROOT / "compose.yaml"), str(ROOT / "tests/deploy/swarm-placement.yaml")]
         s.deploy("mmcache", files, env)

@@ -250,3 +250,21 @@ def test_tokens_end_at_the_one_that_completes_the_stop_string(tok, max_step):
     assert detok.stopped and detok.token_ids == ids[:completes]
     assert sum(kept) == completes
     assert detok.flush() == "the baker pulled "
+
+
+@pytest.mark.parametrize("max_step", [1, 4, 50])
+def test_a_stop_string_within_min_tokens_is_part_of_the_answer(tok, max_step):
+    """vLLM's rule: a stop string counts only once the output has more than ``min_tokens``
+    tokens; one completed before that stays in the text, and a later one still stops it."""
+    ids = tok.encode("oven then more oven and the rest", add_special_tokens=False)
+    first = next(k for k in range(1, len(ids) + 1) if "oven" in reference(tok, ids[:k]))
+    second = next(k for k in range(first + 1, len(ids) + 1) if reference(tok, ids[:k]).count("oven") == 2)
+    for min_tokens, stops_at, text in ((first - 1, first, ""), (first, second, "oven then more ")):
+        detok = Detokenizer(tok, ["oven"], min_tokens)
+        for i in range(0, len(ids), max_step):
+            detok.add(ids[i : i + max_step])
+        assert detok.stopped and detok.token_ids == ids[:stops_at], min_tokens
+        assert detok.flush() == text
+    detok = Detokenizer(tok, ["oven"], len(ids))  # no stop string counts: the whole text
+    detok.add(ids)
+    assert not detok.stopped and detok.flush() == reference(tok, ids)

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from mmcache.harness import free_port
+from shared.loop_socket import heartbeat_timeout_ms
 from shared.messages import Ping, Pong
 from shared.rpc import RemoteError, RpcClient
 from tests.fake_replica import FakeReplica
@@ -101,7 +102,7 @@ async def test_a_hung_server_is_noticed_by_the_heartbeat_and_stays_lost_until_it
         noticed = time.monotonic() - t0
         print(f"hung server noticed after {noticed:.2f} s")
         assert streamed.value.reply.code == "stage_unavailable"
-        assert noticed < 10, noticed  # heartbeat (0.5 s) + its timeout (2 s), not the 60 s wait
+        assert noticed < 4, noticed  # a PING (every 0.25 s) + its timeout (1 s), not the 60 s wait
         await asyncio.sleep(1.5)  # ZeroMQ has reconnected at the TCP level by now
         assert client.lost
         with pytest.raises(ConnectionError):
@@ -119,3 +120,14 @@ async def test_a_hung_server_is_noticed_by_the_heartbeat_and_stays_lost_until_it
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+
+
+def test_the_heartbeat_timeout_is_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("MMCACHE_HEARTBEAT_TIMEOUT", raising=False)
+    assert heartbeat_timeout_ms() == 1000
+    monkeypatch.setenv("MMCACHE_HEARTBEAT_TIMEOUT", "2.5")
+    assert heartbeat_timeout_ms() == 2500
+    for bad in ("soon", "0", "-1", "1e9"):
+        monkeypatch.setenv("MMCACHE_HEARTBEAT_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="MMCACHE_HEARTBEAT_TIMEOUT"):
+            heartbeat_timeout_ms()
