@@ -59,7 +59,11 @@ class Swarm:
         """``docker save | docker load`` into every node (no registry), one node at a time: a load
         unpacks the whole archive to a temporary folder before it stores the layers, so loads at
         once would need an image's size on disk per node twice over."""
+        size = int(sh("docker", "image", "inspect", "-f", "{{.Size}}", image).strip())
         for node in self.nodes:
+            # NOTE: fail before the load, naming the need, rather than in the middle of it.
+            need = f"loading {size / 1e9:.1f} GB into {node} needs twice that free"
+            assert free_bytes() > 2 * size, f"{need}: {disk_free()}"
             save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
             try:
                 sh("docker", "exec", "-i", node, "docker", "load", "-q", stdin=save.stdout, timeout=900)
@@ -105,7 +109,14 @@ class Swarm:
         sh("docker", "network", "rm", self.network, check=False)
 
 
+def docker_root() -> str:
+    """Where the engine keeps its data (the nodes' volumes and layers live there)."""
+    return sh("docker", "info", "-f", "{{.DockerRootDir}}").strip()
+
+
+def free_bytes() -> int:
+    return shutil.disk_usage(docker_root()).free
+
+
 def disk_free() -> str:
-    """Free space where the engine keeps its data (the nodes' volumes and layers live there)."""
-    root = sh("docker", "info", "-f", "{{.DockerRootDir}}").strip()
-    return f"{shutil.disk_usage(root).free / 1e9:.1f} GB free under {root}"
+    return f"{free_bytes() / 1e9:.1f} GB free under {docker_root()}"
