@@ -44,7 +44,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command in ("serve", "processor", "encoder", "llm"):
+        from shared.loop_socket import heartbeat_timeout_ms
+
+        try:
+            heartbeat_timeout_ms()  # a bad MMCACHE_HEARTBEAT_TIMEOUT stops a stage here, named
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.command == "serve":
         from mmcache.launcher import serve
 

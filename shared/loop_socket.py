@@ -18,8 +18,8 @@ import zmq
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_TIMEOUT = 1.0  # seconds: a connection that has sent no whole frame for this long since
-# a ZMTP PING is closed (MMCACHE_HEARTBEAT_TIMEOUT overrides); a PING goes out every quarter of it.
+HEARTBEAT_TIMEOUT = 1.0  # seconds: a connection on which nothing has arrived this long after a
+# ZMTP PING is closed (MMCACHE_HEARTBEAT_TIMEOUT overrides); a PING goes out every quarter of it.
 MAX_QUEUED_PER_PEER = 4096  # replies waiting for one peer's room; more are dropped (callers time out)
 
 
@@ -60,7 +60,7 @@ class LoopSocket:
         # NOTE: a peer that stops answering without closing its connection (hung, stopped, its
         # node cut off the network: no FIN, no RST) would hold every request sent to it until a
         # timeout. ZMTP heartbeats, answered by the peer's I/O thread, close such a connection
-        # within seconds, and the socket monitor reports it like any drop.
+        # within about a second, and the socket monitor reports it like any drop.
         timeout_ms = heartbeat_timeout_ms()
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(timeout_ms // 4, 50))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)

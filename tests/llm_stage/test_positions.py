@@ -29,11 +29,32 @@ class Ref:
     spec: ModelSpec
 
 
+_loaded: dict[str, Ref] = {}
+
+
+def load_ref(arch: str, tiny_models) -> Ref:
+    if arch not in _loaded:
+        path = tiny_models[arch]
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        _loaded[arch] = Ref(arch, model, ModelSpec.load(path))
+    return _loaded[arch]
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def ref(request, tiny_models) -> Ref:
-    path = tiny_models[request.param]
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    return Ref(request.param, model, ModelSpec.load(path))
+    return load_ref(request.param, tiny_models)
+
+
+@pytest.fixture(scope="module", params=[a for a in ARCHS if not a.startswith("qwen3")])
+def ref_chunked(request, tiny_models) -> Ref:
+    """Qwen2-VL and Qwen2.5-VL: a video is one span of temporal chunks."""
+    return load_ref(request.param, tiny_models)
+
+
+@pytest.fixture(scope="module", params=[a for a in ARCHS if a.startswith("qwen3")])
+def ref_timestamped(request, tiny_models) -> Ref:
+    """Qwen3-VL: each video chunk is its own span, after its timestamp."""
+    return load_ref(request.param, tiny_models)
 
 
 # A prompt layout: ("text", n) | ("image", (1, h, w)) | ("video", (t, h, w), fps); grids in patches.
@@ -148,10 +169,10 @@ def test_positions_equal_hf_get_rope_index(ref: Ref, name: str):
     assert delta == hf_delta
 
 
-def test_qwen25_spaces_video_chunks_by_time(ref: Ref):
+def test_qwen25_spaces_video_chunks_by_time(ref_chunked: Ref):
     """Qwen2.5-VL: temporal position of chunk i is int(i * tokens_per_second * seconds_per_chunk)."""
-    if ref.spec.family.timestamped_video:
-        pytest.skip("a Qwen3-VL video chunk is its own span (see the Qwen3-VL test below)")
+    ref = ref_chunked
+    assert not ref.spec.family.timestamped_video
     ids, _, spans, *_ = build(ref, [("text", 1), ("video", (3, 4, 4), 1.0), ("text", 1)])
     positions, _ = mrope_positions(len(ids), spans, ref.spec.tokens_per_second)
     t_axis = positions[0, 1:13].reshape(3, 4)[:, 0] - 1
@@ -169,14 +190,14 @@ def test_span_order_in_the_list_does_not_matter(ref: Ref):
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
 
 
-def test_text_after_a_long_video_starts_past_its_largest_position(ref: Ref):
+def test_text_after_a_long_video_starts_past_its_largest_position(ref_chunked: Ref):
     """Reference behaviour (Qwen2-VL's original get_rope_index, vLLM): text after a media item
     starts at max(item positions) + 1. For a video with more temporal chunks than
     max(h, w) // merge the temporal axis holds that maximum; transformers 5.24 advances by
     max(h, w) // merge instead and so reuses positions the video already occupies. mmcache follows
     the reference; this test pins the difference so a change on either side is noticed."""
-    if ref.spec.family.timestamped_video:
-        pytest.skip("a Qwen3-VL video chunk is its own span (see the Qwen3-VL test below)")
+    ref = ref_chunked
+    assert not ref.spec.family.timestamped_video
     layout = [("text", 3), ("video", (6, 4, 4), 2.0), ("text", 4)]  # 6 chunks > max(4, 4) // 2 = 2
     ids, types, spans, image_grids, video_grids, seconds = build(ref, layout)
     ours, delta = mrope_positions(len(ids), spans, ref.spec.tokens_per_second)
@@ -203,11 +224,11 @@ def test_prompt_ending_in_media_and_generation_delta(ref: Ref):
     assert len(ids) + delta == int(ours.max()) + 1
 
 
-def test_qwen3_video_chunks_are_laid_out_one_by_one(ref: Ref):
+def test_qwen3_video_chunks_are_laid_out_one_by_one(ref_timestamped: Ref):
     """Qwen3-VL: each chunk sits at its own start (t = h = w offset there, like an image) and the
     text after it starts max(h, w) // merge later, so a long video never reuses a position."""
-    if not ref.spec.family.timestamped_video:
-        pytest.skip("Qwen3-VL only")
+    ref = ref_timestamped
+    assert ref.spec.family.timestamped_video
     ids, types, spans, image_grids, video_grids, seconds = build(
         ref, [("text", 3), ("video", (6, 4, 8), 2.0), ("text", 4)]
     )
