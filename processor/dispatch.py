@@ -194,8 +194,15 @@ class Dispatcher:
                 await self._ensure_encoded(prepared, needed)
                 return placed, needed
             except (ConnectionError, RemoteError) as exc:
-                if not _gone(exc) or round_ == self.max_failovers:
+                if not _gone(exc):
                     raise
+                if round_ == self.max_failovers:
+                    self.num_failover_exhausted += 1
+                    raise APIError(
+                        503,
+                        f"no encoder replica could encode the request's media after {round_} move(s): {exc}",
+                        "stage_unavailable",
+                    ) from exc
                 self.num_encoder_retries += 1
                 self.stages.encoder_set.suspect()
                 log.warning("encoder replica lost (%s): encoding at the next owners", exc)

@@ -179,6 +179,30 @@ def test_processor_lost_the_other_serves(stack, loss):
     assert survivor.poll() is None
 
 
+def test_no_encoder_left_ends_with_a_clear_error_soon(stack, loss):
+    """Runs after the encoder loss test: the last encoder is lost too; a request with a new image
+    then ends with a 503 naming why, in seconds, and counts as exhausted; one whose image the
+    LLM replica's prefix cache holds needs no encoder and is served."""
+    cached = bodies("no-encoder", 1500)[0]
+    cached.update(stream=False, max_tokens=8)
+    cached.pop("stream_options")
+    assert stream("127.0.0.1", stack.port, cached, Started()).error is None
+    for proc in stack.procs[: len(stack.encoders)]:
+        if proc.pid not in _lost:
+            lose(proc, loss)
+    before = counters(stack)
+    t0 = time.monotonic()
+    got = stream("127.0.0.1", stack.port, bodies("no-encoder", 1600)[0], Started())
+    elapsed = time.monotonic() - t0
+    print(f"\nno encoder left: {got.error} after {elapsed:.2f} s")
+    assert got.error is not None and "503" in got.error and "stage_unavailable" in got.error, got.error
+    assert "no encoder replica could encode" in got.error
+    assert elapsed < 15
+    assert counters(stack)["exhausted"] == before["exhausted"] + 1
+    again = stream("127.0.0.1", stack.port, cached, Started())
+    assert again.error is None and again.completion_tokens == 8, again.error
+
+
 def test_no_llm_replica_left_ends_with_a_clear_error_soon(stack, loss):
     """Runs after the LLM loss test: the last replica is lost too; a request then ends with a
     503 naming why, in seconds (not at the 120 s stage timeout), and counts as exhausted."""
