@@ -9,7 +9,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -86,6 +86,23 @@ def complete(host: str, port: int, body: dict, timeout: float = 120) -> Streamed
     return out
 
 
+class HTTPFailed(Exception):
+    """A completion answered with another status than 200."""
+
+
+def sse_events(conn: http.client.HTTPConnection, body: dict) -> Iterator[dict]:
+    """POST ``body`` (streamed) on ``conn``; its server-sent events as they come, ``[DONE]`` left
+    out. Raises :class:`HTTPFailed` (``HTTP <status>: <body>``) for another status than 200."""
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise HTTPFailed(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    for raw in resp:
+        line = raw.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def stream(host: str, port: int, body: dict, started: Started, at: int = 1, timeout: float = 120) -> Streamed:
     """POST ``body`` and read its server-sent events to the end; ``started`` hears of it once it
     has had ``at`` content deltas (or ended). A body that is not streamed is :func:`complete`d."""
@@ -95,16 +112,7 @@ def stream(host: str, port: int, body: dict, started: Started, at: int = 1, time
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     first = True
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out.error = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-            return out
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(conn, body):
             if "error" in event:
                 out.error = json.dumps(event["error"])
             if event.get("usage"):

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.streams import Started, failover_counters, failover_delta
+from tests.e2e.streams import Started, failover_counters, failover_delta, sse_events
 from tests.e2e.test_failover import llm_loads
 from tests.e2e.test_replicas import Stack
 from tests.e2e.util import chat, image_part
@@ -96,16 +96,7 @@ def read(port: int, body: dict, started: Started, at: int) -> dict:
     deltas, told = 0, False
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            out["error"] = f"HTTP {resp.status}: {resp.read()[:300]!r}"
-            return out
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(conn, body):
             if "error" in event:
                 out["error"] = event["error"]
             out["usage"] = event.get("usage") or out["usage"]
