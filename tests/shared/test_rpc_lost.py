@@ -14,8 +14,9 @@ import pytest
 import zmq
 
 from mmcache.harness import free_port
+from shared.discovery import ReplicaSet
 from shared.loop_socket import heartbeat_timeout_ms
-from shared.messages import Ping, Pong
+from shared.messages import LookupRequest, Ping, Pong
 from shared.rpc import RemoteError, RpcClient
 from tests.fake_replica import FakeReplica
 
@@ -131,3 +132,53 @@ def test_the_heartbeat_timeout_is_read_from_the_environment(monkeypatch):
         monkeypatch.setenv("MMCACHE_HEARTBEAT_TIMEOUT", bad)
         with pytest.raises(ValueError, match="MMCACHE_HEARTBEAT_TIMEOUT"):
             heartbeat_timeout_ms()
+
+
+WEDGED_SERVER = """
+import asyncio, sys, time, zmq
+from tests.shared.test_rpc_lost import Server
+class Wedging(Server):
+    def answer(self, msg, reply):
+        time.sleep(600)  # the stage loop stops; the process and its ZeroMQ I/O thread go on
+        return True
+async def main():
+    Wedging(zmq.Context(), sys.argv[1])
+    print("up", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+async def test_a_replica_whose_loop_wedges_is_dropped_by_the_heartbeat_and_its_streams_end():
+    """The process lives and its ZeroMQ I/O thread answers the ZMTP heartbeat, but its stage loop
+    answers nothing: the discovery heartbeat (pings every second, three misses) drops it, and
+    the streams waiting on it end with a 503 then (the processor moves them), not at their
+    timeout."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-c", WEDGED_SERVER, address], stdout=subprocess.PIPE, cwd=ROOT)
+    ctx = zmq.Context()
+    replicas = ReplicaSet(ctx, [address], "llm")
+    try:
+        assert proc.stdout.readline() == b"up\n"
+        replicas.start()
+        await replicas.wait_started(5)
+        deadline = time.monotonic() + 10
+        while not replicas.live() or replicas.live()[0].pong is None:
+            assert time.monotonic() < deadline, "never answered a ping"
+            await asyncio.sleep(0.05)
+        client = replicas.live()[0].client
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as streamed:
+            async with client.stream(LookupRequest([]), timeout=60) as replies:
+                async for _ in replies:
+                    pass
+        noticed = time.monotonic() - t0
+        print(f"wedged replica dropped and its stream ended after {noticed:.1f} s")
+        assert streamed.value.reply.code == "stage_unavailable"
+        assert noticed < 20, noticed  # three missed pings (2 s each, a second apart), not 60 s
+        assert not client.lost  # the connection itself never dropped: the heartbeat found it
+        assert not any(r.alive for r in replicas.replicas.values())
+    finally:
+        replicas.close()
+        proc.kill()
+        ctx.destroy(linger=0)
