@@ -34,7 +34,9 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]  # (host, port) -> IP addr
 RESOLVE_EVERY = 3.0  # seconds between DNS lookups of each target (compose/Swarm/k8s scale-ups)
 HEARTBEAT_EVERY = 1.0  # seconds between pings of each replica
 PING_TIMEOUT = 2.0  # a ping without a Pong in this long is a miss
-MAX_MISSES = 3  # misses in a row before a replica is dropped from routing (about 3-5 s)
+# Misses in a row before a replica is dropped from routing: 3 s when pings fail at once, about
+# 9 s when each waits out PING_TIMEOUT.
+MAX_MISSES = 3
 MAX_REPLICAS = 256  # resolved addresses kept per set; more are ignored (bounded sockets)
 
 
