@@ -1,9 +1,12 @@
-"""Migration keeps every part of an answer, not only greedy text: streams that ask for logprobs,
+"""An LLM replica lost with requests on it, beyond the plain streams of ``test_failover``.
+
+Migration keeps every part of an answer, not only greedy text: streams that ask for logprobs,
 ``n`` seeded choices, penalties with a logit bias and a stop string, a ``json_schema`` grammar or
-a forced tool call run on two LLM replicas; the one running the most of them is killed mid-answer.
-Every stream must end exactly as in an uninterrupted run: each choice's text, tool calls, finish
-reason, logprob tokens (values within float tolerance: the new replica recomputes them in a
-prefill), and token counts."""
+a forced tool call; the replica running the most of them is killed mid-answer. Every stream must
+end exactly as in an uninterrupted run: each choice's text, tool calls, finish reason, logprob
+tokens (values within float tolerance: the new replica recomputes them in a prefill), and token
+counts. And requests the lost replica had not yet answered a token of are sent again, from the
+start, to another one. Three LLM replicas: each test loses one."""
 
 from __future__ import annotations
 
@@ -164,26 +167,36 @@ def late_piece(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model):
-    s = Stack(tiny_model, encoders=1, llms=2)
+    s = Stack(tiny_model, encoders=1, llms=3)
     yield s
     s.stop()
+
+
+_killed: set[str] = set()  # addresses of the LLM replicas lost so far
+
+
+def kill_busiest(stack: Stack) -> list[int]:
+    """SIGKILL the live LLM replica running the most requests; the live replicas' loads."""
+    live = [a for a in stack.llms if a not in _killed]
+    load = llm_loads(live)
+    address = live[load.index(max(load))]
+    _killed.add(address)
+    stack.procs[len(stack.encoders) + stack.llms.index(address)].send_signal(signal.SIGKILL)
+    return load
 
 
 def test_a_killed_llm_replica_moves_logprobs_choices_grammars_and_tool_calls_intact(stack):
     # A stop string the penalised answers reach late: a piece of the uninterrupted text from
     # near its end (its first occurrence there), so the stop lands after the kill.
     probe = run(stack, bodies("probe", "\x00never", copies=1))[2]["choices"][0]["text"]
-    stop = next(
-        probe[k : k + 3] for k in range(len(probe) * 2 // 3, len(probe)) if probe.find(probe[k : k + 3]) == k
-    )
+    stop = late_piece(probe)
     want = run(stack, bodies("uninterrupted", stop))
     before = failover_counters(stack.url)
     load: list[int] = []
     killed = threading.Event()
 
     def kill() -> None:
-        load.extend(llm_loads(stack.llms))
-        stack.procs[len(stack.encoders) + load.index(max(load))].send_signal(signal.SIGKILL)
+        load.extend(kill_busiest(stack))
         killed.set()
 
     got = run(stack, bodies("killed", stop), kill)
@@ -193,10 +206,30 @@ def test_a_killed_llm_replica_moves_logprobs_choices_grammars_and_tool_calls_int
     for what, g, w in zip(names, got, want, strict=True):
         same(g, w, what)
     assert killed.is_set() and delta["migrated"] > 0 and delta["exhausted"] == 0, delta
-    assert any(
-        c["finish"] == "stop" for r in want[2::5] for c in r["choices"].values()
-    )  # the stop string hit
+    # the stop string hit
+    assert any(c["finish"] == "stop" for r in want[2::5] for c in r["choices"].values())
     assert all(c["finish"] == "tool_calls" for r in want[4::5] for c in r["choices"].values())
     for r in want[3::5]:
         assert r["choices"][0]["finish"] == "stop"
         assert len(json.loads(r["choices"][0]["text"])["notes"]) == 6
+
+
+def test_requests_without_a_token_yet_are_sent_again_when_their_llm_replica_is_lost(stack):
+    """The busiest replica is killed as the first stream gets its first tokens: the requests on
+    it that had none yet (their images still being encoded, or prefilling) start again on
+    another replica, the others move mid-answer; the answers are the uninterrupted ones."""
+    from tests.e2e.streams import check_unchanged, run_all, stream_bodies
+
+    def load(salt: str) -> list[dict]:
+        return stream_bodies(MODEL, salt, 6000, 24, 24, side=336)
+
+    want, _ = run_all("127.0.0.1", stack.port, load("uninterrupted-retry"))
+    before = failover_counters(stack.url)
+    loads: list[int] = []
+    got, window = run_all(
+        "127.0.0.1", stack.port, load("killed-retry"), early=lambda: loads.extend(kill_busiest(stack))
+    )
+    delta = failover_delta(stack.url, before)
+    print(f"\nLLM load at the kill {loads}")
+    check_unchanged("LLM replica killed at the first token", got, want, delta, window, 24)
+    assert delta["retried"] > 0 and delta["exhausted"] == 0, delta
