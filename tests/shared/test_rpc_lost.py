@@ -72,11 +72,17 @@ async def test_a_closed_connection_ends_waiting_calls_at_once_and_fails_new_ones
         ctx.destroy(linger=0)
 
 
-HUNG_SERVER = """
-import asyncio, sys, zmq
+# A server in its own process (to be stopped or wedged): ``-c SERVER address [wedge]``; with
+# ``wedge`` its stage loop stops at the first request that is not a Ping.
+SERVER = """
+import asyncio, sys, time, zmq
 from tests.shared.test_rpc_lost import Server
+class Wedging(Server):
+    def answer(self, msg, reply):
+        time.sleep(600)  # the stage loop stops; the process and its ZeroMQ I/O thread go on
+        return True
 async def main():
-    Server(zmq.Context(), sys.argv[1])
+    (Wedging if sys.argv[2:] == ["wedge"] else Server)(zmq.Context(), sys.argv[1])
     print("up", flush=True)
     await asyncio.sleep(3600)
 asyncio.run(main())
@@ -88,7 +94,7 @@ async def test_a_hung_server_is_noticed_by_the_heartbeat_and_stays_lost_until_it
     accepts new ones). The ZMTP heartbeat closes the connection within seconds; the client
     stays lost while only the kernel answers, and is back once the server runs again."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", HUNG_SERVER, address], stdout=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, address], stdout=subprocess.PIPE, cwd=ROOT)
     ctx = zmq.Context()
     client = RpcClient(ctx, address, "llm")
     try:
@@ -134,28 +140,15 @@ def test_the_heartbeat_timeout_is_read_from_the_environment(monkeypatch):
             heartbeat_timeout_ms()
 
 
-WEDGED_SERVER = """
-import asyncio, sys, time, zmq
-from tests.shared.test_rpc_lost import Server
-class Wedging(Server):
-    def answer(self, msg, reply):
-        time.sleep(600)  # the stage loop stops; the process and its ZeroMQ I/O thread go on
-        return True
-async def main():
-    Wedging(zmq.Context(), sys.argv[1])
-    print("up", flush=True)
-    await asyncio.sleep(3600)
-asyncio.run(main())
-"""
-
-
 async def test_a_replica_whose_loop_wedges_is_dropped_by_the_heartbeat_and_its_streams_end():
     """The process lives and its ZeroMQ I/O thread answers the ZMTP heartbeat, but its stage loop
     answers nothing: the discovery heartbeat (pings every second, three misses) drops it, and
     the streams waiting on it end with a 503 then (the processor moves them), not at their
     timeout."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-c", WEDGED_SERVER, address], stdout=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, address, "wedge"], stdout=subprocess.PIPE, cwd=ROOT
+    )
     ctx = zmq.Context()
     replicas = ReplicaSet(ctx, [address], "llm")
     try:
