@@ -60,15 +60,16 @@ class Swarm:
         unpacks the whole archive to a temporary folder before it stores the layers, so loads at
         once would need an image's size on disk per node twice over."""
         size = int(sh("docker", "image", "inspect", "-f", "{{.Size}}", image).strip())
+        root = docker_root()
         for node in self.nodes:
             # NOTE: fail before the load, naming the need, rather than in the middle of it.
             need = f"loading {size / 1e9:.1f} GB into {node} needs twice that free"
-            assert free_bytes() > 2 * size, f"{need}: {disk_free()}"
+            assert shutil.disk_usage(root).free > 2 * size, f"{need}: {disk_free(root)}"
             save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
             try:
                 sh("docker", "exec", "-i", node, "docker", "load", "-q", stdin=save.stdout, timeout=900)
             except AssertionError as exc:
-                raise AssertionError(f"{exc}\n{disk_free()}") from None
+                raise AssertionError(f"{exc}\n{disk_free(root)}") from None
             finally:
                 save.stdout.close()
                 assert save.wait() == 0
@@ -114,9 +115,7 @@ def docker_root() -> str:
     return sh("docker", "info", "-f", "{{.DockerRootDir}}").strip()
 
 
-def free_bytes() -> int:
-    return shutil.disk_usage(docker_root()).free
-
-
-def disk_free() -> str:
-    return f"{free_bytes() / 1e9:.1f} GB free under {docker_root()}"
+def disk_free(root: str | None = None) -> str:
+    """The free space under ``root`` (the engine's data folder unless given), in words."""
+    root = root or docker_root()
+    return f"{shutil.disk_usage(root).free / 1e9:.1f} GB free under {root}"
