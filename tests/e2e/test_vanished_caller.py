@@ -54,7 +54,10 @@ async def test_generation_stops_when_the_caller_is_gone(tiny_model):
         await stream.__aenter__()
         first = await anext(aiter(stream))
         assert first.token_ids  # it is generating
-        caller._sock.sock.close(linger=0)  # vanish without an Abort: the connection just drops
+        # Vanish without an Abort: the connection just drops. NOTE: through close(), which takes
+        # the socket's descriptor off the event loop first; a bare zmq close left it registered,
+        # and the probes' new sockets, reusing its number, were never watched (a ~20 s stall).
+        caller.close()
         await asyncio.sleep(0.5)
         steps = []
         deadline = time.monotonic() + 20
