@@ -56,7 +56,7 @@ async def test_generation_stops_when_the_caller_is_gone(tiny_model):
         assert first.token_ids  # it is generating
         # Vanish without an Abort: the connection just drops. NOTE: through close(), which takes
         # the socket's descriptor off the event loop first; a bare zmq close left it registered,
-        # and the probes' new sockets, reusing its number, were never watched (a ~20 s stall).
+        # and probes' new sockets reusing its number could go unwatched (a ~20 s stall seen once).
         caller.close()
         await asyncio.sleep(0.5)
         steps = []
