@@ -65,6 +65,15 @@ class BlockCopy:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A probe's references on its matched prefix, until ``expiry`` (``time.monotonic()``) or until
+    its request is admitted, ends or is refused, whichever comes first."""
+
+    blocks: tuple[int, ...]
+    expiry: float
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -89,6 +98,8 @@ class BlockManager:
         self.cached: dict[BlockHash, int] = {}
         self.children: dict[BlockHash, dict[int, None]] = {}  # parent hash → cached blocks, oldest first
         self.stats = PrefixCacheStats()
+        self.pins: dict[int, Pin] = {}  # pin id → pin (probes' prefixes held for their requests)
+        self._pin_ids = itertools.count(1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -165,8 +176,30 @@ class BlockManager:
         fresh = self.blocks_needed(end) - len(match.blocks)
         return revived + fresh <= len(self.free)
 
-    def hold(self, blocks: list[int]) -> None:
-        """Take a reference on cached blocks (a probe's pin, a shared start's source)."""
+    # --- pins: a probe's prefix, held until its request is admitted -----------------------
+
+    def pin(self, blocks: list[int], expiry: float) -> int:
+        """Hold ``blocks`` until :meth:`unpin` or ``expiry`` (monotonic); returns the pin's id."""
+        self._ref(blocks)
+        pin_id = next(self._pin_ids)
+        self.pins[pin_id] = Pin(tuple(blocks), expiry)
+        return pin_id
+
+    def unpin(self, pin_id: int) -> None:
+        """Let a pin go (unknown or expired ids are ignored: a pin is let go once)."""
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self.release(list(pin.blocks))
+
+    def expire_pins(self, now: float) -> None:
+        for pin_id in [p for p, pin in self.pins.items() if pin.expiry <= now]:
+            self.unpin(pin_id)
+
+    def next_pin_expiry(self) -> float | None:
+        return min((pin.expiry for pin in self.pins.values()), default=None)
+
+    def _ref(self, blocks: list[int]) -> None:
+        """Take a reference on cached blocks (a pin's, an admitted prefix's, a shared start's source)."""
         for block_id in blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -188,7 +221,7 @@ class BlockManager:
             source stays held until the caller has run the copy and released it.
         """
         assert not seq.block_table
-        self.hold(match.held())
+        self._ref(match.held())
         seq.block_table.extend(match.blocks)
         seq.num_computed_tokens = len(match.blocks) * self.block_size
         copy = None

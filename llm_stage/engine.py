@@ -1,24 +1,29 @@
 """The generation engine behind the LLM service: requests in, tokens out, one step at a time.
 
 :meth:`Engine.step` runs in one worker thread; the service calls everything
-else from the event loop. The loop never touches a sequence the engine owns:
-it sends typed commands (:class:`Submit`, :class:`Cancel`, :class:`AddRows`,
-:class:`Fail`) through an inbox the step drains first. Probes read the block
-pool from the loop, so both sides take :attr:`Engine.lock` around it; the
-model forward itself runs unlocked.
+else from the event loop, and only while no step runs (the loop awaits each
+step), so nothing here takes a lock. The loop never touches a sequence the
+engine owns: it sends typed commands (:class:`Submit`, :class:`Cancel`,
+:class:`AddRows`, :class:`GrammarReady`, :class:`Fail`) through an inbox the step
+drains first. Probes read the block pool and pin what they matched; the
+scheduler lets each pin go (admission, end, expiry).
+
+A step that fails in the model (forward or sampling) fails the sequences it
+computed and leaves the engine consistent; a failure anywhere else is raised:
+the service then no longer trusts the engine (see ``LLMService``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from llm_stage.block_manager import BlockManager
+from llm_stage.faults import StepFaults
 from llm_stage.kv_cache import KVCache, kv_budget_bytes
 from llm_stage.model_runner import ModelRunner
 from llm_stage.prompt_logprobs import PromptLogprobStore
@@ -55,12 +60,18 @@ class AddRows:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarReady:
+    seq: Sequence
+    matcher: Any  # llguidance matcher, its state past any resumed tokens
+
+
+@dataclass(frozen=True, slots=True)
 class Fail:
     seq: Sequence
     message: str
 
 
-Command = Submit | Cancel | AddRows | Fail
+Command = Submit | Cancel | AddRows | GrammarReady | Fail
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +104,12 @@ class Engine:
         self.runner = ModelRunner(self.lm, self.kv)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, store)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.lock = threading.Lock()
+        # NOTE: appended by the event loop, drained by the worker thread: deque's append and
+        # popleft are atomic, the only state both sides touch while a step runs.
         self._inbox: deque[Command] = deque()
-        self._probe_ids = itertools.count(1)
-        self._probes: dict[int, tuple[list[int], float]] = {}  # probe id → (held blocks, expiry)
+        self.faults = StepFaults()  # armed by tests only
         self.num_steps = 0
+        self.num_step_failures = 0  # steps whose model call raised (their sequences failed)
         log.info(
             "engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, prefix cache %s",
             spec.name,
@@ -109,7 +121,7 @@ class Engine:
             "on" if cfg.prefix_cache else "off",
         )
 
-    # --- called from the event loop ------------------------------------------------
+    # --- called from the event loop, between steps ---------------------------------
 
     def probe(
         self,
@@ -121,33 +133,24 @@ class Engine:
         """Cached prefix length (tokens) of a prompt; pins the matched blocks for ``ttl`` seconds.
 
         Returns:
-            (cached tokens, probe id to pass on so the pin is released early; 0 if nothing pinned)
+            (cached tokens, pin id to pass on so the pin is let go early; 0 if nothing pinned)
         """
-        with self.lock:
-            self._expire_probes()
-            # NOTE: at least the last token is always computed: its logits give the next token.
-            match = self.blocks.match_prefix(hashes, token_ids, spans, len(token_ids) - 1)
-            held = match.held()
-            if not held:
-                return 0, 0
-            self.blocks.hold(held)
-            probe_id = next(self._probe_ids)
-            self._probes[probe_id] = (held, time.monotonic() + ttl)
-        return match.num_tokens(self.blocks.block_size), probe_id
+        self.scheduler.expire(time.monotonic())
+        # NOTE: at least the last token is always computed: its logits give the next token.
+        match = self.blocks.match_prefix(hashes, token_ids, spans, len(token_ids) - 1)
+        held = match.held()
+        if not held:
+            return 0, 0
+        pin_id = self.blocks.pin(held, time.monotonic() + ttl)
+        return match.num_tokens(self.blocks.block_size), pin_id
 
-    def release_probe(self, probe_id: int) -> None:
-        with self.lock:
-            self._release_probe(probe_id)
+    def release_pin(self, pin_id: int) -> None:
+        """A probe's pin whose request will not come (refused, or routed elsewhere)."""
+        self.blocks.unpin(pin_id)
 
-    def _release_probe(self, probe_id: int) -> None:
-        held = self._probes.pop(probe_id, None)
-        if held is not None:
-            self.blocks.release(held[0])
-
-    def _expire_probes(self) -> None:
-        now = time.monotonic()
-        for probe_id in [p for p, (_, expiry) in self._probes.items() if expiry <= now]:
-            self.blocks.release(self._probes.pop(probe_id)[0])
+    def next_deadline(self) -> float | None:
+        """When (``time.monotonic()``) a step has something to do without news: a pin expires."""
+        return self.scheduler.next_deadline()
 
     def memory_info(self) -> dict[str, int]:
         """Bytes of the prompt logprob store beside the KV pool, and the budget they share."""
@@ -158,6 +161,8 @@ class Engine:
             "prompt_logprob_blocks": store.num_carrying if store is not None else 0,
         }
 
+    # --- commands: may be sent while a step runs (applied at the start of the next) -------
+
     def submit(self, seq: Sequence) -> None:
         self._inbox.append(Submit(seq))
 
@@ -165,11 +170,15 @@ class Engine:
         self._inbox.append(Cancel(seq))
 
     def add_rows(self, seq: Sequence, rows: list[MediaRows]) -> None:
-        """Hand fetched media rows to ``seq`` (applied by the worker thread before its next step)."""
+        """Hand fetched media rows to ``seq``."""
         self._inbox.append(AddRows(seq, rows))
 
+    def grammar_ready(self, seq: Sequence, matcher: Any) -> None:
+        """``seq``'s grammar compiled: it may be scheduled."""
+        self._inbox.append(GrammarReady(seq, matcher))
+
     def fail(self, seq: Sequence, message: str) -> None:
-        """End ``seq`` with an error (its media rows could not be had)."""
+        """End ``seq`` with an error (its media rows or its grammar could not be had)."""
         self._inbox.append(Fail(seq, message))
 
     def has_work(self) -> bool:
@@ -177,37 +186,36 @@ class Engine:
 
     @property
     def load(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self._inbox)
+        return self.scheduler.num_unfinished + len(self._inbox)
 
     # --- called from the worker thread -----------------------------------------------
 
     def step(self) -> StepResult:
-        with self.lock:
-            self._expire_probes()
-            outputs = [out for cmd in self._drain() if (out := self._apply(cmd)) is not None]
-            plan = self.scheduler.schedule()
-            for seq in plan.admitted:
-                if seq.probe_id:  # the scheduler holds the prefix now: the probe's pin can go
-                    self._release_probe(seq.probe_id)
-            for copy in plan.copies:
-                self.runner.copy_block_start(copy)
-                self.blocks.release([copy.source])
+        self.scheduler.expire(time.monotonic())
+        outputs = [out for cmd in self._drain() if (out := self._apply(cmd)) is not None]
+        self.faults.check("schedule")
+        plan = self.scheduler.schedule()
+        for copy in plan.copies:
+            self.runner.copy_block_start(copy)
+            self.blocks.release([copy.source])
         result = StepResult(outputs, plan.fetches, plan.admitted)
         if not plan.items:
             return result
         try:
+            self.faults.check("compute")
             logits, scored = self.runner.forward(plan.items)
             tokens, logprobs = sample_with_logprobs(logits, plan.sampled)
         except Exception as exc:
+            # NOTE: nothing of the plan was applied yet: ending its sequences leaves the engine
+            # as consistent as a cancel does.
             log.exception("engine step failed; failing its %d sequences", len(plan.items))
-            with self.lock:
-                for item in plan.items:
-                    self.scheduler.abort(item.seq, "error")
-                    outputs.append(self.scheduler.output(item.seq, None, f"{type(exc).__name__}: {exc}"))
+            self.num_step_failures += 1
+            for item in plan.items:
+                self.scheduler.abort(item.seq, "error")
+                outputs.append(self.scheduler.output(item.seq, None, f"{type(exc).__name__}: {exc}"))
             return result
         self.num_steps += 1
-        with self.lock:
-            outputs += self.scheduler.postprocess(plan, tokens, logprobs, scored)
+        outputs += self.scheduler.postprocess(plan, tokens, logprobs, scored)
         return dataclasses.replace(result, computed=True)
 
     def _drain(self) -> list[Command]:
@@ -225,6 +233,8 @@ class Engine:
             if seq.status is not SeqStatus.FINISHED:
                 seq.media.extend(cmd.rows)
                 self.scheduler.rows_arrived(seq)
+        elif isinstance(cmd, GrammarReady):
+            self.scheduler.grammar_ready(seq, cmd.matcher)
         elif isinstance(cmd, Cancel):
             if self.scheduler.abort(seq):
                 return self.scheduler.output(seq, None)

@@ -1,8 +1,8 @@
 """Constrained decoding with llguidance: grammars compiled once, off the engine's step path.
 
-A request with a grammar gets its own matcher (a copy of the compiled prototype) before it is
-submitted; each step the sampler asks the matchers of the batch for their token masks
-(:func:`allowed_tokens`) and feeds them the sampled tokens.
+A request with a grammar waits in ``WAITING_FOR_GRAMMAR`` while its grammar compiles, then gets
+its own matcher (a copy of the compiled prototype); each step the sampler asks the matchers of
+the batch for their token masks (:func:`allowed_tokens`) and feeds them the sampled tokens.
 """
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+
+from shared.single_flight import SingleFlight
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -34,7 +36,9 @@ class GrammarStats:
 
 class GrammarCache:
     """Compiled grammars by their text (LRU, at most ``capacity``); concurrent requests for one
-    grammar wait for a single compile."""
+    grammar wait for a single compile (:class:`SingleFlight`: a waiter that is cancelled, an
+    aborted request, cancels neither the compile nor the other waiters, and the compiled grammar
+    is kept even if every waiter has gone)."""
 
     def __init__(
         self, model_path: str | os.PathLike, vocab_size: int, eos_token_ids: list[int], capacity: int = 64
@@ -46,7 +50,7 @@ class GrammarCache:
         self.stats = GrammarStats()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._pending: dict[str, asyncio.Future] = {}
+        self._flight: SingleFlight[str, llguidance.LLMatcher] = SingleFlight()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     async def matcher(self, grammar: str) -> llguidance.LLMatcher:
@@ -56,20 +60,17 @@ class GrammarCache:
             self._compiled.move_to_end(grammar)
             self.stats.hits += 1
             return proto.deep_copy()
-        pending = self._pending.get(grammar)
-        if pending is None:
+
+        async def make() -> llguidance.LLMatcher:
             loop = asyncio.get_running_loop()
-            pending = loop.run_in_executor(self._executor, self._compile, grammar)
-            self._pending[grammar] = pending
-            try:
-                proto = cast(llguidance.LLMatcher, await pending)
-            finally:
-                del self._pending[grammar]
-            self._compiled[grammar] = proto
+            made = await loop.run_in_executor(self._executor, self._compile, grammar)
+            self._compiled[grammar] = made  # NOTE: here, not in a waiter: kept if all have gone
             if len(self._compiled) > self.capacity:
                 self._compiled.popitem(last=False)
-        else:
-            proto = cast(llguidance.LLMatcher, await asyncio.shield(pending))
+            return made
+
+        proto, compiled_here = await self._flight.run(grammar, make)
+        if not compiled_here:
             self.stats.hits += 1
         return proto.deep_copy()
 

@@ -28,6 +28,7 @@ MAX_ENCODER_CLIENTS = 256  # encoder replicas this LLM replica keeps a socket to
 class FetchResult:
     rows: list[MediaRows]  # what arrived, for the tokens asked for
     lost: dict[ChunkKey, str]  # chunk key → why its rows could not be read ("missing", "unreachable")
+    unpinned: set[ChunkKey]  # hand-off pins the reads let go (the encoder releases a pin it reads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +92,14 @@ class MediaFetcher:
             client.close()
 
     async def fetch(
-        self, refs: list[ChunkRef], ranges: list[tuple[int, int]], pinned: set[ChunkKey]
+        self, refs: list[ChunkRef], ranges: list[tuple[int, int]], pinned: frozenset[ChunkKey]
     ) -> FetchResult:
         """Rows for the media tokens in ``ranges`` (each ``[start, end)``).
 
         One read per distinct chunk, even when the prompt holds it twice (the same image sent
-        again); a read of a chunk in ``pinned`` releases this request's hand-off pin there and
-        takes it out of ``pinned``. A chunk that cannot be read is reported in ``lost``, not raised.
+        again); a read of a chunk in ``pinned`` releases this request's hand-off pin there (listed
+        in the result's ``unpinned``). A chunk that cannot be read is reported in ``lost``, not
+        raised.
         """
         # (ref, first row, end row) of every chunk part inside the ranges
         wanted = [
@@ -117,6 +119,7 @@ class MediaFetcher:
         )
         read: dict[tuple[ChunkKey, str], tuple[int, torch.Tensor]] = {}
         lost: dict[ChunkKey, str] = {}
+        unpinned: set[ChunkKey] = set()
         for ((key, source), (lo, _)), res in zip(reads, results, strict=True):
             if isinstance(res, BaseException):
                 if not isinstance(res, Exception):
@@ -124,13 +127,14 @@ class MediaFetcher:
                 lost[key] = _cause(res)
             else:
                 read[(key, source)] = (lo, res)
-                pinned.discard(key)
+                if key in pinned:
+                    unpinned.add(key)
         out = []
         for r, lo, hi in wanted:
             if (r.key, r.source) in read:
                 first, rows = read[(r.key, r.source)]
                 out.append(MediaRows(r.start + lo, rows[lo - first : hi - first]))
-        return FetchResult(out, lost)
+        return FetchResult(out, lost, unpinned)
 
     async def _one(self, key: ChunkKey, source: str, lo: int, hi: int, release: bool) -> torch.Tensor:
         try:

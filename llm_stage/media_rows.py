@@ -69,7 +69,8 @@ class RowSupply:
         started = time.perf_counter()
         try:
             while True:
-                result = await self.fetcher.fetch(live.refs, todo, live.pinned)
+                result = await self.fetcher.fetch(live.refs, todo, frozenset(live.pinned))
+                live.pinned -= result.unpinned
                 rows += result.rows
                 if not result.lost:
                     break

@@ -33,6 +33,20 @@ FAMILIES = [
     Family("mmcache_llm_kv_evictions", "counter", "cached KV blocks evicted for reuse", "evictions"),
     Family("mmcache_llm_preemptions", "counter", "sequences preempted for lack of KV blocks", "preemptions"),
     Family("mmcache_llm_engine_steps", "counter", "engine steps run", "steps"),
+    Family(
+        "mmcache_llm_engine_step_failures",
+        "counter",
+        "engine steps that raised (their requests failed; any outside the model call: the replica "
+        "stops serving)",
+        "step_failures",
+    ),
+    Family(
+        "mmcache_llm_healthy",
+        "gauge",
+        "1 while the engine can be trusted; 0 once a step failed outside the model call (the replica "
+        "then answers its heartbeat as unhealthy and refuses requests)",
+        "healthy",
+    ),
     Family("mmcache_llm_kv_blocks_used", "gauge", "KV blocks in use (held by sequences)", "used_blocks"),
     Family("mmcache_llm_kv_blocks_free", "gauge", "KV blocks free (cached or empty)", "free_blocks"),
     Family("mmcache_llm_kv_cache_usage_ratio", "gauge", "fraction of KV blocks in use", "kv_usage"),
@@ -80,6 +94,9 @@ FAMILIES = [
         "chunks_skipped",
     ),
 ]
+
+
+_UNSCHEDULED = (SeqStatus.WAITING, SeqStatus.WAITING_FOR_GRAMMAR)
 
 
 @dataclass(slots=True)
@@ -159,7 +176,7 @@ class LLMMetrics:
     def step(self, started: float, ended: float, outputs: list[StepOutput]) -> None:
         """An engine step ran from ``started`` to ``ended`` and produced ``outputs``."""
         for seq_id, t in list(self._unscheduled.items()):
-            if t.seq.status is not SeqStatus.WAITING:  # admitted this step (or ended)
+            if t.seq.status not in _UNSCHEDULED:  # admitted this step (or ended)
                 t.scheduled = started
                 self.queue.observe(started - t.submitted)
                 del self._unscheduled[seq_id]

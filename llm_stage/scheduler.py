@@ -1,6 +1,7 @@
-"""Continuous batching with chunked prefill, prefix reuse, media rows as a resource, and preemption.
+"""Continuous batching: prefill in parts (vLLM's chunked prefill), prefix reuse, media rows as a
+resource, and preemption.
 
-Each step first serves running sequences (a decode token, or the next chunk
+Each step first serves running sequences (a decode token, or the next part
 of an unfinished prefill), then admits waiting ones while the token budget,
 the sequence cap and the block pool allow. Admission matches and allocates the
 cached prefix here, so nothing holds blocks for a sequence the scheduler has
@@ -14,6 +15,12 @@ in ``WAITING_FOR_MEDIA`` until they arrive. The first fetch after a prefix hit
 and the fetch after a preemption that lost part of the prefix are the same:
 whatever rows the next tokens need and the sequence lacks.
 
+A sequence whose grammar is still compiling is ``WAITING_FOR_GRAMMAR``: held
+aside, out of the queue, until :meth:`Scheduler.grammar_ready` queues it. The
+scheduler also owns every probe's pin on a prefix (kept in the block manager): let
+go when its sequence is admitted or ends, or at its expiry (:meth:`next_deadline`
+tells the engine loop when to wake for that).
+
 A sequence that cannot get a block preempts the most recently admitted one,
 which goes back to the front of the queue and later resumes (its computed
 blocks usually still cached, its media rows kept).
@@ -25,6 +32,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from llm_stage import prompt_logprob_blocks as scoring
 from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
@@ -91,13 +99,29 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted: RUNNING or WAITING_FOR_MEDIA
+        self.compiling: dict[int, Sequence] = {}  # WAITING_FOR_GRAMMAR, by seq id
         self.num_preemptions = 0
 
     def has_work(self) -> bool:
+        """Sequences a step could advance (not those waiting for their grammar)."""
         return bool(self.waiting or self.running)
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.compiling)
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
+            self.compiling[seq.seq_id] = seq
+        else:
+            self.waiting.append(seq)
+
+    def grammar_ready(self, seq: Sequence, matcher: Any) -> None:
+        """``seq``'s grammar compiled: it takes its place in the queue (unless it ended meanwhile)."""
+        if self.compiling.pop(seq.seq_id, None) is not None:
+            seq.matcher = matcher
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> bool:
         """End ``seq`` wherever it is; False if it had already finished."""
@@ -107,6 +131,13 @@ class Scheduler:
             self.waiting.remove(seq)
         self._finish(seq, reason)
         return True
+
+    def next_deadline(self) -> float | None:
+        """When (``time.monotonic()``) the next pin expires, if any: the engine loop's timeout."""
+        return self.blocks.next_pin_expiry()
+
+    def expire(self, now: float) -> None:
+        self.blocks.expire_pins(now)
 
     def rows_arrived(self, seq: Sequence) -> None:
         """``seq``'s fetch has added its rows: it may go on (a preempted one waits its turn)."""
@@ -122,7 +153,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # waiting for its rows, or preempted earlier in this loop
-            n = self._chunk(seq, budget, plan)
+            n = self._step_tokens(seq, budget, plan)
             if n == 0 or not self._reserve(seq, seq.num_computed_tokens + n, plan):
                 continue
             plan.items.append(self._item(seq, n))
@@ -133,7 +164,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            n = self._chunk(seq, budget, plan)
+            n = self._step_tokens(seq, budget, plan)
             if n:
                 self.blocks.grow(seq, seq.num_computed_tokens + n)
                 plan.items.append(self._item(seq, n))
@@ -144,7 +175,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         return StepItem(seq, start, start + n, start + n == seq.num_tokens)
 
-    def _chunk(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+    def _step_tokens(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
         """Tokens of ``seq`` to compute this step: within the budget, and only as far as its media
         rows are present. Missing rows are asked for once; with none to compute, it waits."""
         ready = seq.num_tokens
@@ -160,7 +191,7 @@ class Scheduler:
         return n
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> bool:
-        """Give ``seq`` its cached prefix if the pool has room for it and its next chunk."""
+        """Give ``seq`` its cached prefix if the pool has room for it and its first step's tokens."""
         match = self.match(seq)
         if not self._fits(seq, match, budget):
             if match.partial is None:
@@ -176,6 +207,7 @@ class Scheduler:
         if seq.wants_prompt_logprobs:
             scoring.start(seq, self.blocks, match)
         seq.status = SeqStatus.RUNNING
+        self._unpin(seq)  # NOTE: after allocate: the sequence holds the prefix now
         if seq.num_preemptions == 0:
             self.blocks.stats.queries += seq.num_prompt_tokens
             self.blocks.stats.hits += seq.num_cached_tokens
@@ -183,9 +215,9 @@ class Scheduler:
         return True
 
     def _fits(self, seq: Sequence, match: PrefixMatch, budget: int) -> bool:
-        """Room for ``match`` and the first chunk after it."""
-        first_chunk = min(seq.num_tokens - match.num_tokens(self.blocks.block_size), budget)
-        return self.blocks.can_allocate(match, first_chunk)
+        """Room for ``match`` and the first step's tokens after it."""
+        first_step = min(seq.num_tokens - match.num_tokens(self.blocks.block_size), budget)
+        return self.blocks.can_allocate(match, first_step)
 
     def match(self, seq: Sequence) -> PrefixMatch:
         """``seq``'s cached prefix; at least its last token is always computed (its logits give
@@ -272,5 +304,13 @@ class Scheduler:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.WAITING_FOR_MEDIA):
             self.running.remove(seq)
             self.blocks.free_seq(seq)
+        elif seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
+            del self.compiling[seq.seq_id]
+        self._unpin(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.pin_id:
+            self.blocks.unpin(seq.pin_id)
+            seq.pin_id = 0

@@ -15,6 +15,7 @@ from shared.messages import MediaSpan, SamplingParams
 
 
 class SeqStatus(Enum):
+    WAITING_FOR_GRAMMAR = auto()  # its grammar is being compiled: not in the queue yet, holds no blocks
     WAITING = auto()  # in the queue: holds no blocks
     RUNNING = auto()  # admitted: holds its blocks, computed each step
     WAITING_FOR_MEDIA = auto()  # admitted, but its next token needs media rows still being fetched
@@ -57,7 +58,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks whose hashes are published
     num_preemptions: int = 0
     rows_pending: bool = False  # a fetch of its missing media rows is under way
-    probe_id: int = 0  # a probe's pin on its prefix, released once the scheduler has matched it
+    pin_id: int = 0  # its probe's pin on its prefix (BlockManager.pins): let go at admission or end
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -81,7 +82,7 @@ class Sequence:
         eos_token_ids: Iterable[int],
         tokens_per_second: float,
         block_size: int = 0,
-        probe_id: int = 0,
+        pin_id: int = 0,
         media: list[MediaRows] | None = None,
     ) -> Sequence:
         """A new request's sequence: M-RoPE positions, stop ids and (``block_size`` > 0, the prefix
@@ -101,7 +102,7 @@ class Sequence:
             sampling=sampling,
             max_model_len=max_model_len,
             stop_ids=frozenset(stop),
-            probe_id=probe_id,
+            pin_id=pin_id,
             # NOTE: later blocks (generated tokens) are hashed incrementally.
             block_hashes=block_hashes(prompt, spans, block_size, root_hash) if block_size else [],
         )
@@ -134,11 +135,6 @@ class Sequence:
                     out.append((pos, covered))
                 pos = covered
         return out
-
-    def rows_ready_until(self, start: int) -> int:
-        """The first token at or after ``start`` that needs media rows not present (else the end)."""
-        missing = self.missing_rows(start)
-        return missing[0][0] if missing else self.num_tokens
 
     def positions_for(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions (3, end - start) of tokens ``[start, end)``."""

@@ -1,4 +1,16 @@
-"""The LLM stage process: probe and generate requests in, token streams out, over ZeroMQ."""
+"""The LLM stage process: probe and generate requests in, token streams out, over ZeroMQ.
+
+A generate request is registered the moment it arrives (its :class:`LiveRequest`
+exists before the first ``await``), so an abort or its caller's going reaches it
+whatever it waits for (its grammar, a slot, its media rows); everything it holds is
+let go in one place (:meth:`LLMService._release`).
+
+The engine loop is supervised: a step whose model call fails fails the requests it
+computed and the loop goes on; any other failure means the engine can no longer be
+trusted, so every live request ends (``stage_unavailable``: the processor moves it),
+the replica answers its heartbeat as unhealthy (discovery drops it) and refuses
+new requests. It never keeps answering while it no longer steps.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +20,13 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
 
-from llm_stage.engine import Engine
+from llm_stage.engine import Engine, StepResult
 from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.kv_cache import KVCache
 from llm_stage.live import LiveRequest, send_replies
@@ -45,7 +58,7 @@ from shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_SECONDS = 0.05  # how long a step that could run nothing waits for news before trying again
+MAX_DEFERRED = 4096  # probes and pin releases waiting for the running step to end
 
 
 class LLMService:
@@ -62,6 +75,11 @@ class LLMService:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+        # NOTE: the engine's state is touched from the event loop only while no step runs: what
+        # comes during a step (probes, pin releases) waits here and runs as soon as it ends.
+        self._stepping = False
+        self._after_step: list[Callable[[], None]] = []
+        self.healthy = True  # False once the engine can no longer be trusted (see _distrust)
         self._block_bytes = KVCache.bytes_per_block(engine.lm, cfg.block_size, engine.dtype)
         self.metrics = LLMMetrics(self.stats)
         self.metrics_server: MetricsServer | None = None
@@ -72,7 +90,7 @@ class LLMService:
         if isinstance(msg, ProbeRequest):
             self._probe(msg, reply)
         elif isinstance(msg, ReleaseProbe):
-            self.engine.release_probe(msg.probe_id)
+            self._release_pin(msg.probe_id)
         elif isinstance(msg, Abort):
             live = self._by_request.get((reply.identity, msg.request_id))
             if live is not None:
@@ -108,13 +126,16 @@ class LLMService:
             "evictions": blocks.stats.evictions,
             "preemptions": scheduler.num_preemptions,
             "steps": self.engine.num_steps,
+            "step_failures": self.engine.num_step_failures,
+            "healthy": int(self.healthy),
+            "pins": len(blocks.pins),
             "free_blocks": total - used,
             "used_blocks": used,
             "kv_usage": used / total if total else 0.0,
             "kv_bytes": used * self._block_bytes,
             "kv_capacity_bytes": total * self._block_bytes,
             "running": running,
-            "waiting": len(scheduler.waiting) + len(scheduler.running) - running,
+            "waiting": scheduler.num_unfinished - running,
             "embedding_fetches": fetch.fetches,
             "embedding_rows_fetched": fetch.rows,
             "embedding_feature_rows_fetched": fetch.feature_rows,
@@ -141,18 +162,26 @@ class LLMService:
             info,
             self.cfg.block_size,
             id=replica_id(),
+            healthy=self.healthy,
         )
 
     # --- probe ----------------------------------------------------------------------------
 
     def _probe(self, msg: ProbeRequest, reply: Responder) -> None:
+        if not self.healthy:
+            reply.send_nowait(_unavailable())
+            return
         try:
             validate_probe(msg, self.spec, self.engine.lm)
         except RequestError as exc:
             reply.send_nowait(ErrorReply(exc.code, str(exc), 400))
             return
-        cached, probe_id = 0, 0
+        cached, pin_id = 0, 0
         if self.cfg.prefix_cache:
+            if self._stepping:
+                self._defer(lambda: self._probe(msg, reply), reply)
+                return
+            self._ensure_loop()  # NOTE: it lets the pin go at its expiry
             ids = msg.prompt_token_ids.tolist()
             hashes = msg.block_hashes
             if msg.block_size != self.cfg.block_size or len(hashes) != len(ids) // self.cfg.block_size:
@@ -160,8 +189,26 @@ class LLMService:
                 hashes = block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
             # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
             # the request's own prefix is matched with hashes this stage computes itself.
-            cached, probe_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
-        reply.send_nowait(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
+            cached, pin_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
+            if pin_id:
+                self._wakeup.set()  # the loop's timeout is the next pin's expiry
+        reply.send_nowait(ProbeReply(cached, pin_id, self.engine.load, self.engine.max_model_len))
+
+    def _release_pin(self, pin_id: int) -> None:
+        if not pin_id:
+            return
+        if self._stepping:
+            self._defer(lambda: self.engine.release_pin(pin_id))
+        else:
+            self.engine.release_pin(pin_id)
+
+    def _defer(self, call: Callable[[], None], reply: Responder | None = None) -> None:
+        """Run ``call`` once the running step has ended (bounded: beyond, a probe is refused, a
+        pin release left to the pin's expiry)."""
+        if len(self._after_step) < MAX_DEFERRED:
+            self._after_step.append(call)
+        elif reply is not None:
+            reply.send_nowait(ErrorReply("overloaded", "LLM stage has too many probes waiting", 503))
 
     # --- generate -------------------------------------------------------------------------
 
@@ -182,61 +229,92 @@ class LLMService:
             eos_token_ids=self.spec.eos_token_ids,
             tokens_per_second=self.spec.tokens_per_second,
             block_size=self.cfg.block_size if self.cfg.prefix_cache else 0,
-            probe_id=msg.probe_id,
+            pin_id=msg.probe_id,
         )
         seq.token_ids.extend(msg.resume_token_ids)
+        if sp.grammar is not None:
+            seq.status = SeqStatus.WAITING_FOR_GRAMMAR
         return seq
 
-    async def _generate(self, msg: GenerateRequest, reply: Responder) -> None:
-        arrived = time.perf_counter()
+    def _refusal(self, msg: GenerateRequest) -> ErrorReply | None:
+        """Why ``msg`` is refused before it becomes a sequence, if it is."""
+        if not self.healthy:
+            return _unavailable()
         try:
             validate(msg, self.spec, self.engine.lm, self.engine.max_model_len)
         except RequestError as exc:
-            await self._fail(reply, ErrorReply(exc.code, str(exc), 400))
-            return
+            return ErrorReply(exc.code, str(exc), 400)
         if self.engine.load >= self.cfg.max_queue:
-            if msg.probe_id:
-                self.engine.release_probe(msg.probe_id)
-            await self._fail(reply, ErrorReply("overloaded", "LLM stage queue is full, retry later", 503))
+            return ErrorReply("overloaded", "LLM stage queue is full, retry later", 503)
+        return None
+
+    async def _generate(self, msg: GenerateRequest, reply: Responder) -> None:
+        arrived = time.perf_counter()
+        refused = self._refusal(msg)
+        if refused is not None:
+            self._release_pin(msg.probe_id)  # NOTE: at once: no sequence will let it go
+            await self._fail(reply, refused)
             return
-        seq = self._sequence(msg)
-        if msg.sampling.grammar is not None:
-            # NOTE: compiled here, before the sequence is submitted: the engine's steps never wait on it.
-            try:
-                seq.matcher = await self.grammars.matcher(msg.sampling.grammar)
-                for token in msg.resume_token_ids:  # a moved generation: its grammar state so far
-                    if not seq.matcher.consume_token(token):
-                        raise GrammarError("the resumed tokens do not follow it")
-            except GrammarError as exc:
-                if msg.probe_id:
-                    self.engine.release_probe(msg.probe_id)
-                error = ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400)
-                await self._fail(reply, error)
-                return
-        pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
-        live = LiveRequest(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
-        key = (reply.identity, reply.rid)
-        self._live[seq.seq_id] = live
-        self._by_request[key] = live
+        live = self._register(msg, reply, arrived)
         try:
-            self._ensure_loop()
-            self.metrics.track(seq, arrived)
-            self.engine.submit(seq)
-            self._wakeup.set()
             ended = await send_replies(live, msg.stream)
             if ended is not None:
                 await self._fail(reply, ended)
         finally:
-            self.metrics.forget(seq.seq_id)
-            self._live.pop(seq.seq_id, None)
-            self._by_request.pop(key, None)
-            for task in live.tasks:
-                task.cancel()
-            if seq.finish_reason is None:  # the caller is gone or we are stopping
-                self.engine.cancel(seq)
-                self._wakeup.set()
-            if live.pinned:
-                self.rows.release_pins(live, list(live.pinned))
+            self._release(live, (reply.identity, reply.rid))
+
+    def _register(self, msg: GenerateRequest, reply: Responder, arrived: float) -> LiveRequest:
+        """The request's sequence, submitted, and its :class:`LiveRequest`, findable by an abort
+        (no ``await`` here: nothing can come between its arrival and its registration)."""
+        seq = self._sequence(msg)
+        pinned = {key for key, held in zip(_keys(msg.spans), msg.handoff, strict=True) if held}
+        live = LiveRequest(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
+        self._live[seq.seq_id] = live
+        self._by_request[(reply.identity, reply.rid)] = live
+        self._ensure_loop()
+        self.metrics.track(seq, arrived)
+        self.engine.submit(seq)
+        if msg.sampling.grammar is not None:
+            compile_ = self._spawn(self._compile(live, msg.sampling.grammar, msg.resume_token_ids))
+            live.tasks.add(compile_)
+            compile_.add_done_callback(live.tasks.discard)
+        self._wakeup.set()
+        return live
+
+    async def _compile(self, live: LiveRequest, grammar: str, resumed: list[int]) -> None:
+        """Compile ``live``'s grammar (shared with concurrent requests for the same one) and hand
+        its matcher to the engine; the sequence waits for it in ``WAITING_FOR_GRAMMAR``."""
+        try:
+            matcher = await self.grammars.matcher(grammar)
+            for token in resumed:  # a moved generation: its grammar state so far
+                if not matcher.consume_token(token):
+                    raise GrammarError("the resumed tokens do not follow it")
+        except GrammarError as exc:
+            live.failure = ErrorReply("bad_grammar", f"the grammar does not compile: {exc}", 400)
+            self.engine.fail(live.seq, str(exc))
+        except Exception as exc:
+            log.exception("compiling a grammar failed")
+            live.failure = ErrorReply("grammar_failed", f"the grammar could not be compiled: {exc}", 500)
+            self.engine.fail(live.seq, str(exc))
+        else:
+            self.engine.grammar_ready(live.seq, matcher)
+        self._wakeup.set()
+
+    def _release(self, live: LiveRequest, key: tuple[bytes, int]) -> None:
+        """The one place a request lets go of everything: its registration, its tasks (a grammar
+        compile, fetches), its sequence if still unfinished (its caller is gone, or we stop) with
+        its blocks and probe pin, and its hand-off pins at the encoders."""
+        seq = live.seq
+        self.metrics.forget(seq.seq_id)
+        self._live.pop(seq.seq_id, None)
+        self._by_request.pop(key, None)
+        for task in live.tasks:
+            task.cancel()
+        if seq.finish_reason is None:
+            self.engine.cancel(seq)
+            self._wakeup.set()
+        if live.pinned:
+            self.rows.release_pins(live, list(live.pinned))
 
     async def _fail(self, reply: Responder, error: ErrorReply) -> None:
         """End a generate request with ``error`` (counted by status and code)."""
@@ -246,46 +324,77 @@ class LLMService:
     # --- the engine loop ----------------------------------------------------------------
 
     def _ensure_loop(self) -> None:
-        if self._loop_task is None:
+        if self._loop_task is None and self.healthy:
             self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+            self._loop_task.add_done_callback(self._loop_ended)
 
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            if not self.engine.has_work():
-                await self._wakeup.wait()
+        idle = False
+        while self.healthy:
+            if idle or not self.engine.has_work():
+                await self._news()
             self._wakeup.clear()  # NOTE: before the step, so nothing sent during it is missed
             started = time.perf_counter()
+            self._stepping = True
             try:
                 result = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception:
-                # NOTE: a bug, not a request's fault: end every request now rather than let its
-                # caller wait for the stage timeout.
-                log.exception("engine step failed; ending %d request(s)", len(self._live))
-                for each in self._live.values():
-                    each.queue.put_nowait(StepOutput(each.seq.seq_id, None, "error", 0, 0, "engine failure"))
-                raise
+            except Exception as exc:
+                self._distrust(f"an engine step failed: {type(exc).__name__}: {exc}", exc)
+                return
+            finally:
+                self._stepping = False
+                self._run_deferred()
             self.metrics.step(started, time.perf_counter(), result.outputs)
-            for out in result.outputs:
-                live = self._live.get(out.seq_id)
-                if live is not None:
-                    live.queue.put_nowait(out)
-            for seq in result.admitted:
-                if (live := self._live.get(seq.seq_id)) is not None:
-                    self.rows.admitted(live)
-            for wanted in result.fetches:
-                live = self._live.get(wanted.seq.seq_id)
-                if live is not None:
-                    live.tasks.add(task := self._spawn(self.rows.fetch(live, wanted.ranges)))
-                    task.add_done_callback(live.tasks.discard)
-                else:  # its caller is gone: the engine must not wait for rows nobody fetches
-                    self.engine.fail(wanted.seq, "the request's caller is gone")
-            if not result.computed and not result.outputs:
-                # Every admitted sequence waits for rows and none can be admitted: sleep until a
-                # command arrives (rows, a request, a cancel), or a probe's pin may have expired.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(IDLE_POLL_SECONDS):
-                        await self._wakeup.wait()
+            self._deliver(result)
+            idle = not result.computed and not result.outputs
+
+    async def _news(self) -> None:
+        """Until a command may have come (a request, rows, a cancel) or the next pin expires."""
+        deadline = self.engine.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._wakeup.wait()
+
+    def _run_deferred(self) -> None:
+        calls, self._after_step = self._after_step, []
+        for call in calls:
+            call()
+
+    def _deliver(self, result: StepResult) -> None:
+        for out in result.outputs:
+            live = self._live.get(out.seq_id)
+            if live is not None:
+                live.queue.put_nowait(out)
+        for seq in result.admitted:
+            if (live := self._live.get(seq.seq_id)) is not None:
+                self.rows.admitted(live)
+        for wanted in result.fetches:
+            live = self._live.get(wanted.seq.seq_id)
+            if live is not None:
+                live.tasks.add(task := self._spawn(self.rows.fetch(live, wanted.ranges)))
+                task.add_done_callback(live.tasks.discard)
+            else:  # its caller is gone: the engine must not wait for rows nobody fetches
+                self.engine.fail(wanted.seq, "the request's caller is gone")
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self._distrust(f"the engine loop failed: {type(exc).__name__}: {exc}", exc)
+
+    def _distrust(self, why: str, exc: BaseException) -> None:
+        """The engine can no longer be trusted: end every live request so the processor moves
+        it, and from now on answer the heartbeat as unhealthy and refuse requests."""
+        if not self.healthy:
+            return
+        self.healthy = False
+        log.error(
+            "%s; this replica stops serving (%d live request(s) moved)", why, len(self._live), exc_info=exc
+        )
+        for live in self._live.values():
+            live.failure = _unavailable()
+            live.queue.put_nowait(StepOutput(live.seq.seq_id, None, "error", 0, 0, why))
+        self._run_deferred()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -299,6 +408,11 @@ class LLMService:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.grammars.close()
         self.fetcher.close()
+
+
+def _unavailable() -> ErrorReply:
+    # NOTE: "stage_unavailable" tells the processor to move the request to another replica.
+    return ErrorReply("stage_unavailable", "this LLM replica's engine failed; it no longer serves", 503)
 
 
 def _keys(spans: list[MediaSpan]) -> list[ChunkKey]:

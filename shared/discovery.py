@@ -84,7 +84,7 @@ class Replica:
 
     @property
     def alive(self) -> bool:
-        return self.pong is not None and self.misses < MAX_MISSES
+        return self.pong is not None and self.pong.healthy and self.misses < MAX_MISSES
 
 
 @dataclass(slots=True)
@@ -133,7 +133,9 @@ class ReplicaSet:
         start-up, or every one is slow), every replica known so far, so a request still tries."""
         alive = [r for r in self.replicas.values() if r.alive]
         known = list(self.replicas.values())
-        pool = alive or [r for r in known if r.pong is not None] or known
+        # NOTE: a replica that said it is unhealthy is never routed to, not even as a last resort.
+        healthy = [r for r in known if r.pong is not None and r.pong.healthy]
+        pool = alive or healthy or [r for r in known if r.pong is None]
         by_id: dict[str, Replica] = {}
         for r in sorted(pool, key=lambda r: r.address):
             by_id.setdefault(r.name, r)
@@ -238,9 +240,16 @@ class ReplicaSet:
             error = "no answer" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
         else:
             if isinstance(pong, Pong):
-                if not replica.alive:
-                    log.info("%s replica %s (%s) is up", self.stage, pong.id, replica.address)
+                was_alive = replica.alive
                 replica.pong, replica.misses, replica.seen = pong, 0, time.monotonic()
+                if not pong.healthy:
+                    if was_alive:
+                        log.warning(
+                            "%s replica %s says it is unhealthy: dropped", self.stage, replica.address
+                        )
+                    return "unhealthy"
+                if not was_alive:
+                    log.info("%s replica %s (%s) is up", self.stage, pong.id, replica.address)
                 return None
             error = f"unexpected reply {type(pong).__name__}"
         was_alive = replica.alive

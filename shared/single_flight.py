@@ -32,7 +32,15 @@ class SingleFlight(Generic[K, V]):
             task = asyncio.get_running_loop().create_task(self._make(key, make))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # never "unretrieved"
             self._inflight[key] = task
-        return await asyncio.shield(task), owner
+        try:
+            return await asyncio.shield(task), owner
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and (current is None or not current.cancelling()):
+                # NOTE: the computation was cancelled, not this caller: a failure, not a cancel
+                # (a caller that takes it for its own would end silently).
+                raise RuntimeError(f"the computation for {key!r} was cancelled") from None
+            raise
 
     async def _make(self, key: K, make: Callable[[], Awaitable[V]]) -> V:
         try:

@@ -132,18 +132,31 @@ def test_hash_hit_is_confirmed_against_stored_tokens():
     assert bm.match_prefix(hashes[:2], forged.token_ids).blocks == [0]
 
 
-def test_hold_and_release_keep_blocks_out_of_the_free_queue():
+def test_a_pin_keeps_blocks_out_of_the_free_queue_until_unpinned():
     bm = BlockManager(4, B, enable_caching=True)
     a = make_seq(1, list(range(9)))
     admit(bm, a)
     bm.free_seq(a)
-    bm.hold([0, 1])  # a probe's pin
+    pin = bm.pin([0, 1], expiry=float("inf"))  # a probe's pin
     assert 0 not in bm.free and 1 not in bm.free
     big = make_seq(2, list(range(100, 108)))
     admit(bm, big)
     assert set(big.block_table).isdisjoint({0, 1})
-    bm.release([0, 1])
-    assert 0 in bm.free and 1 in bm.free
+    bm.unpin(pin)
+    bm.unpin(pin)  # a second let-go changes nothing
+    assert 0 in bm.free and 1 in bm.free and not bm.pins
+
+
+def test_pins_expire_at_their_deadline():
+    bm = BlockManager(4, B, enable_caching=True)
+    early, late = bm.pin([0], expiry=10.0), bm.pin([1], expiry=20.0)
+    assert bm.next_pin_expiry() == 10.0
+    bm.expire_pins(now=15.0)
+    assert list(bm.pins) == [late] and early not in bm.pins
+    assert 0 in bm.free and 1 not in bm.free
+    assert bm.next_pin_expiry() == 20.0
+    bm.expire_pins(now=20.0)
+    assert not bm.pins and bm.next_pin_expiry() is None and bm.num_free_blocks == 4
 
 
 def test_scheduler_preempts_newest_and_resumes_from_cache():
