@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from processor.cache_report import ChunkFate
 from processor.errors import APIError
 from processor.pipeline import Prepared, sampling_params
 from processor.preprocess import Chunk
 from processor.stages import Route, StageClients
+from shared.keys import ChunkKey
 from shared.media_spans import chunk_places
 from shared.messages import (
     EncodeItem,
@@ -136,10 +138,12 @@ class Dispatcher:
         except TimeoutError as exc:
             raise APIError(504, "no LLM replica answered the probe in time", "stage_timeout") from exc
         sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len, index)
-        placed, needed = await self._guard(
+        placed, needed, found = await self._guard(
             self._encoded(prepared, lambda p: p.end > route.probe.cached_tokens)
         )
-        prepared.report.prefix_skipped = len(placed) - len(needed)
+        # NOTE: a chunk the prompt holds twice, once inside the prefix, is counted by its needed place.
+        skipped: dict[ChunkKey, ChunkFate] = {p.chunk.key: "prefix_skipped" for p in placed}
+        prepared.report.attempt(index, skipped | found)
         request = GenerateRequest(
             prompt_token_ids=probe.prompt_token_ids,
             spans=prepared.spans,
@@ -156,7 +160,7 @@ class Dispatcher:
             async with route.client.stream(request, timeout=self.timeout) as replies:
                 async for reply in replies:
                     if isinstance(reply, NeedEncode):
-                        await self._repair(prepared, route, replies.rid, reply)
+                        await self._repair(prepared, index, route, replies.rid, reply)
                     else:
                         yield reply
         except (ConnectionError, RemoteError) as exc:
@@ -169,7 +173,7 @@ class Dispatcher:
         except TimeoutError as exc:
             raise APIError(504, "the LLM stage did not answer in time", "stage_timeout") from exc
 
-    async def _repair(self, prepared: Prepared, route: Route, rid: int, need: NeedEncode) -> None:
+    async def _repair(self, prepared: Prepared, index: int, route: Route, rid: int, need: NeedEncode) -> None:
         """The LLM stage could not read some chunks' rows (evicted, never encoded because its cached
         prefix covered them, encoder gone): encode them again from the pixels this request holds,
         and tell it to go on. The LLM stage bounds how often one request may ask."""
@@ -177,22 +181,25 @@ class Dispatcher:
         self.repairs[need.cause] += 1
         missing = set(need.keys)
         # NOTE: owners are chosen again: an encoder may have gone
-        placed, _ = await self._guard(self._encoded(prepared, lambda p: p.chunk.key in missing))
+        placed, _, _ = await self._guard(self._encoded(prepared, lambda p: p.chunk.key in missing))
+        prepared.report.repaired(index, list(missing))
         sources = [p.source for p in placed]
         await route.client.notify(Reencoded(rid, list(missing), sources))
 
     async def _encoded(
         self, prepared: Prepared, wanted: Callable[[_Placed], bool]
-    ) -> tuple[list[_Placed], list[_Placed]]:
-        """Every chunk placed at its owner, the ``wanted`` ones there for sure: (placed, wanted).
+    ) -> tuple[list[_Placed], list[_Placed], dict[ChunkKey, ChunkFate]]:
+        """Every chunk placed at its owner, the ``wanted`` ones there for sure: (placed, wanted,
+        what became of each wanted chunk: found at its encoder or encoded, over every round).
         An owner that dies meanwhile is left out and its chunks go to the next owners, from the
         pixels this request holds (at most ``max_failovers`` rounds)."""
+        found: dict[ChunkKey, ChunkFate] = {}
         for round_ in range(self.max_failovers + 1):
             placed = self._placed(prepared)
             needed = [p for p in placed if wanted(p)]
             try:
-                await self._ensure_encoded(prepared, needed)
-                return placed, needed
+                await self._ensure_encoded(needed, found)
+                return placed, needed, {p.chunk.key: found[p.chunk.key] for p in needed}
             except (ConnectionError, RemoteError) as exc:
                 if not _gone(exc):
                     raise
@@ -209,8 +216,11 @@ class Dispatcher:
                 await asyncio.sleep(RETRY_PAUSE * round_)
         raise AssertionError("unreachable")
 
-    async def _ensure_encoded(self, prepared: Prepared, needed: list[_Placed]) -> None:
-        """Lookup at each owning encoder (pins what it has), then encode what it lacks."""
+    async def _ensure_encoded(self, needed: list[_Placed], found: dict[ChunkKey, ChunkFate]) -> None:
+        """Lookup at each owning encoder (pins what it has), then encode what it lacks; ``found``
+        gets each chunk's fate (a miss stays one: a later round's lookup finds what this
+        request had encoded). Every owner's part ends before a failure is raised, so nothing
+        of a failed round still runs."""
         by_source: dict[str, list[_Placed]] = {}
         for p in needed:
             by_source.setdefault(p.source, []).append(p)
@@ -227,11 +237,17 @@ class Dispatcher:
                     raise ConnectionError(f"encoder replica {source} does not answer") from exc
                 raise
             missing = set(reply.missing)
-            prepared.report.encoder_hits += len(keys) - len(missing)
-            prepared.report.encoder_misses += len(missing)
+            for key in keys:
+                if key in missing or found.get(key) == "encoder_misses":
+                    found[key] = "encoder_misses"
+                else:
+                    found[key] = "encoder_hits"
             await self._encode([p for p in group if p.chunk.key in missing])
 
-        await asyncio.gather(*(one(s, g) for s, g in by_source.items()))
+        results = await asyncio.gather(*(one(s, g) for s, g in by_source.items()), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _encode(self, placed: list[_Placed]) -> None:
         by_source: dict[str, dict[bytes, EncodeItem]] = {}

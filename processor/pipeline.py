@@ -14,6 +14,7 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from processor.cache_report import CacheReport
 from processor.errors import bad_request
 from processor.media_cache import MediaCache
 from processor.media_decode import DecodeLimits, decode_image, decode_video
@@ -26,20 +27,6 @@ from shared.keys import MediaKey, data_url_alias, file_alias, media_key, uuid_me
 from shared.messages import MediaSpan, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class CacheReport:
-    """Per-request cache counts (``usage.mm_cache``)."""
-
-    processor_hits: int = 0
-    processor_misses: int = 0
-    encoder_hits: int = 0
-    encoder_misses: int = 0
-    prefix_skipped: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(slots=True)
@@ -190,10 +177,7 @@ class Pipeline:
         layout, hit = await self.cache.get_or_make(key, make)
         if self.cache.hold(key):
             held.append(key)
-        if hit:
-            report.processor_hits += 1
-        else:
-            report.processor_misses += 1
+        report.media(hit)
         return layout
 
     def _file_alias(self, salt: str | None, modality: str, local: LocalFile | None) -> bytes | None:
