@@ -17,7 +17,7 @@ import zmq
 
 from llm_stage.sequence import MediaRows
 from shared.keys import ChunkKey
-from shared.media_spans import chunk_places
+from shared.media_spans import ChunkPlace, chunk_places
 from shared.messages import FetchRequest, MediaSpan
 from shared.rpc import RemoteError, RpcClient
 
@@ -33,18 +33,27 @@ class FetchResult:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
-    start: int  # first token of the chunk in the prompt
-    end: int
-    key: ChunkKey
+    """A chunk with its place in the prompt, and the encoder that holds its rows."""
+
+    place: ChunkPlace
     source: str  # encoder address
+
+    @property
+    def start(self) -> int:  # first token of the chunk in the prompt
+        return self.place.start
+
+    @property
+    def end(self) -> int:
+        return self.place.end
+
+    @property
+    def key(self) -> ChunkKey:
+        return self.place.key
 
 
 def chunk_refs(spans: list[MediaSpan], sources: list[str]) -> list[ChunkRef]:
     """Every chunk of the prompt with its encoder (``sources``: spans in order, chunks in order)."""
-    return [
-        ChunkRef(c.start, c.end, c.key, source)
-        for c, source in zip(chunk_places(spans), sources, strict=True)
-    ]
+    return [ChunkRef(place, source) for place, source in zip(chunk_places(spans), sources, strict=True)]
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm_stage import prompt_logprob_blocks as scoring
+from llm_stage import prompt_logprob_blocks
 from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
 from llm_stage.prompt_logprobs import Scored
 from llm_stage.sequence import SeqStatus, Sequence
@@ -205,7 +205,7 @@ class Scheduler:
         if copy is not None:
             plan.copies.append(copy)
         if seq.wants_prompt_logprobs:
-            scoring.start(seq, self.blocks, match)
+            prompt_logprob_blocks.start(seq, self.blocks, match)
         seq.status = SeqStatus.RUNNING
         self._unpin(seq)  # NOTE: after allocate: the sequence holds the prefix now
         if seq.num_preemptions == 0:
@@ -227,7 +227,7 @@ class Scheduler:
         hashes = seq.update_block_hashes(self.blocks.block_size)
         if not seq.wants_prompt_logprobs:
             return self.blocks.match_prefix(hashes, seq.token_ids, seq.spans, seq.num_tokens - 1)
-        return scoring.match_with_logprobs(self.blocks, seq, hashes)
+        return prompt_logprob_blocks.match_with_logprobs(self.blocks, seq, hashes)
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Blocks for ``seq``'s first ``num_tokens``, preempting newer sequences if needed."""
@@ -270,12 +270,12 @@ class Scheduler:
             seq.num_computed_tokens = item.end
             if self.blocks.enable_caching:
                 if seq.wants_prompt_logprobs:
-                    scoring.store(seq, self.blocks)
+                    prompt_logprob_blocks.store(seq, self.blocks)
                 self.blocks.commit(seq, seq.update_block_hashes(self.blocks.block_size))
             if not item.samples:
                 continue
             token, lp = next(sampled), next(token_lps)
-            prompt = scoring.take(seq) if seq.wants_prompt_logprobs else None
+            prompt = prompt_logprob_blocks.take(seq) if seq.wants_prompt_logprobs else None
             seq.append_token(token)
             reason = seq.check_finished(token)
             if reason is not None:

@@ -26,7 +26,7 @@ from processor.pipeline import Prepared, sampling_params
 from processor.preprocess import Chunk
 from processor.stages import Route, StageClients
 from shared.keys import ChunkKey
-from shared.media_spans import chunk_places
+from shared.media_spans import ChunkPlace, chunk_places
 from shared.messages import (
     EncodeItem,
     EncodeRequest,
@@ -46,13 +46,19 @@ RETRY_PAUSE = 0.25  # seconds more before each further move (the first is at onc
 
 @dataclass(frozen=True, slots=True)
 class _Placed:
-    """A chunk with its place in the prompt and its encoder."""
+    """A chunk with its place in the prompt, its pixels and its encoder."""
 
-    start: int
-    end: int
-    modality: str
+    place: ChunkPlace
     chunk: Chunk
     source: str
+
+    @property
+    def end(self) -> int:
+        return self.place.end
+
+    @property
+    def modality(self) -> str:
+        return self.place.span.modality
 
 
 class Dispatcher:
@@ -78,8 +84,7 @@ class Dispatcher:
         # NOTE: by key, not by position: a Qwen3-VL video has one span per chunk.
         chunks = {c.key: c for layout in prepared.media for c in layout.chunks}
         return [
-            _Placed(p.start, p.end, p.span.modality, chunks[p.key], self.stages.encoder_for(p.key))
-            for p in chunk_places(prepared.spans)
+            _Placed(p, chunks[p.key], self.stages.encoder_for(p.key)) for p in chunk_places(prepared.spans)
         ]
 
     async def generate(

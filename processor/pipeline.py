@@ -39,7 +39,7 @@ class Prepared:
     media: list[MediaLayout]
     salt: str | None
     report: CacheReport = field(default_factory=CacheReport)
-    held: list[MediaKey] = field(default_factory=list)  # cache entries held until the request ends
+    pinned: list[MediaKey] = field(default_factory=list)  # cache entries pinned until the request ends
 
 
 def sampling_params(req: ChatRequest, prompt_len: int, context: int, index: int = 0) -> SamplingParams:
@@ -118,8 +118,8 @@ class Pipeline:
 
     def done(self, prepared: Prepared) -> None:
         """The request has ended: its media cache entries may be evicted again."""
-        self._release(prepared.held)
-        prepared.held.clear()
+        self._release(prepared.pinned)
+        prepared.pinned.clear()
 
     def _release(self, keys: list[MediaKey]) -> None:
         for key in keys:
