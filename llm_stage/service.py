@@ -15,18 +15,16 @@ new requests. It never keeps answering while it no longer steps.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
 
 from llm_stage.engine import Engine, StepResult
+from llm_stage.engine_loop import EngineLoop
 from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.kv_cache import KVCache
 from llm_stage.live import LiveRequest, send_replies
@@ -58,8 +56,6 @@ from shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
 
-MAX_DEFERRED = 4096  # probes and pin releases waiting for the running step to end
-
 
 class LLMService:
     def __init__(self, cfg: LLMConfig, engine: Engine, fetcher: MediaFetcher):
@@ -71,19 +67,18 @@ class LLMService:
         self._ids = itertools.count(1)
         self._live: dict[int, LiveRequest] = {}  # seq id → request
         self._by_request: dict[tuple[bytes, int], LiveRequest] = {}  # (peer, request id) → request
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._loop_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
-        # NOTE: the engine's state is touched from the event loop only while no step runs: what
-        # comes during a step (probes, pin releases) waits here and runs as soon as it ends.
-        self._stepping = False
-        self._after_step: list[Callable[[], None]] = []
-        self.healthy = True  # False once the engine can no longer be trusted (see _distrust)
         self._block_bytes = KVCache.bytes_per_block(engine.lm, cfg.block_size, engine.dtype)
         self.metrics = LLMMetrics(self.stats)
         self.metrics_server: MetricsServer | None = None
+        self.loop = EngineLoop(engine, self.metrics, self._deliver, self._distrusted)
+        self._wakeup = self.loop.wakeup
         self.rows = RowSupply(cfg, engine, fetcher, self.metrics, self._spawn, self._wakeup)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can no longer be trusted (see :mod:`llm_stage.engine_loop`)."""
+        return self.loop.healthy
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -176,39 +171,33 @@ class LLMService:
         except RequestError as exc:
             reply.send_nowait(ErrorReply(exc.code, str(exc), 400))
             return
-        cached, pin_id = 0, 0
-        if self.cfg.prefix_cache:
-            if self._stepping:
-                self._defer(lambda: self._probe(msg, reply), reply)
-                return
-            self._ensure_loop()  # NOTE: it lets the pin go at its expiry
-            ids = msg.prompt_token_ids.tolist()
-            hashes = msg.block_hashes
-            if msg.block_size != self.cfg.block_size or len(hashes) != len(ids) // self.cfg.block_size:
-                root = root_hash(self.spec.weights_fingerprint, msg.salt)
-                hashes = block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
-            # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
-            # the request's own prefix is matched with hashes this stage computes itself.
-            cached, pin_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
-            if pin_id:
-                self._wakeup.set()  # the loop's timeout is the next pin's expiry
+        if not self.cfg.prefix_cache:
+            reply.send_nowait(ProbeReply(0, 0, self.engine.load, self.engine.max_model_len))
+        elif not self.loop.between_steps(lambda: self._match(msg, reply)):
+            reply.send_nowait(ErrorReply("overloaded", "LLM stage has too many probes waiting", 503))
+
+    def _match(self, msg: ProbeRequest, reply: Responder) -> None:
+        """Answer a probe from the prefix cache (between steps), pinning what matched."""
+        if not self.healthy:
+            reply.send_nowait(_unavailable())
+            return
+        self.loop.start()  # NOTE: it lets the pin go at its expiry
+        ids = msg.prompt_token_ids.tolist()
+        hashes = msg.block_hashes
+        if msg.block_size != self.cfg.block_size or len(hashes) != len(ids) // self.cfg.block_size:
+            root = root_hash(self.spec.weights_fingerprint, msg.salt)
+            hashes = block_hashes(msg.prompt_token_ids, msg.spans, self.cfg.block_size, root)
+        # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
+        # the request's own prefix is matched with hashes this stage computes itself.
+        cached, pin_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
+        if pin_id:
+            self._wakeup.set()  # the loop's timeout is the next pin's expiry
         reply.send_nowait(ProbeReply(cached, pin_id, self.engine.load, self.engine.max_model_len))
 
     def _release_pin(self, pin_id: int) -> None:
-        if not pin_id:
-            return
-        if self._stepping:
-            self._defer(lambda: self.engine.release_pin(pin_id))
-        else:
-            self.engine.release_pin(pin_id)
-
-    def _defer(self, call: Callable[[], None], reply: Responder | None = None) -> None:
-        """Run ``call`` once the running step has ended (bounded: beyond, a probe is refused, a
-        pin release left to the pin's expiry)."""
-        if len(self._after_step) < MAX_DEFERRED:
-            self._after_step.append(call)
-        elif reply is not None:
-            reply.send_nowait(ErrorReply("overloaded", "LLM stage has too many probes waiting", 503))
+        """A probe's pin its request will not use (beyond the deferral bound: left to expire)."""
+        if pin_id:
+            self.loop.between_steps(lambda: self.engine.release_pin(pin_id))
 
     # --- generate -------------------------------------------------------------------------
 
@@ -271,7 +260,7 @@ class LLMService:
         live = LiveRequest(seq, reply, chunk_refs(msg.spans, msg.sources), pinned)
         self._live[seq.seq_id] = live
         self._by_request[(reply.identity, reply.rid)] = live
-        self._ensure_loop()
+        self.loop.start()
         self.metrics.track(seq, arrived)
         self.engine.submit(seq)
         if msg.sampling.grammar is not None:
@@ -321,46 +310,7 @@ class LLMService:
         self.metrics.errored(error)
         await reply.send(error)
 
-    # --- the engine loop ----------------------------------------------------------------
-
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None and self.healthy:
-            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
-            self._loop_task.add_done_callback(self._loop_ended)
-
-    async def _engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        idle = False
-        while self.healthy:
-            if idle or not self.engine.has_work():
-                await self._news()
-            self._wakeup.clear()  # NOTE: before the step, so nothing sent during it is missed
-            started = time.perf_counter()
-            self._stepping = True
-            try:
-                result = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception as exc:
-                self._distrust(f"an engine step failed: {type(exc).__name__}: {exc}", exc)
-                return
-            finally:
-                self._stepping = False
-                self._run_deferred()
-            self.metrics.step(started, time.perf_counter(), result.outputs)
-            self._deliver(result)
-            idle = not result.computed and not result.outputs
-
-    async def _news(self) -> None:
-        """Until a command may have come (a request, rows, a cancel) or the next pin expires."""
-        deadline = self.engine.next_deadline()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._wakeup.wait()
-
-    def _run_deferred(self) -> None:
-        calls, self._after_step = self._after_step, []
-        for call in calls:
-            call()
+    # --- what the engine loop reports ---------------------------------------------------
 
     def _deliver(self, result: StepResult) -> None:
         for out in result.outputs:
@@ -378,23 +328,13 @@ class LLMService:
             else:  # its caller is gone: the engine must not wait for rows nobody fetches
                 self.engine.fail(wanted.seq, "the request's caller is gone")
 
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            self._distrust(f"the engine loop failed: {type(exc).__name__}: {exc}", exc)
-
-    def _distrust(self, why: str, exc: BaseException) -> None:
-        """The engine can no longer be trusted: end every live request so the processor moves
-        it, and from now on answer the heartbeat as unhealthy and refuse requests."""
-        if not self.healthy:
-            return
-        self.healthy = False
-        log.error(
-            "%s; this replica stops serving (%d live request(s) moved)", why, len(self._live), exc_info=exc
-        )
+    def _distrusted(self, why: str) -> None:
+        """The engine can no longer be trusted: end every live request so the processor moves it
+        (the replica answers its heartbeat as unhealthy and refuses requests from now on)."""
+        log.error("ending %d live request(s) so they move: %s", len(self._live), why)
         for live in self._live.values():
             live.failure = _unavailable()
             live.queue.put_nowait(StepOutput(live.seq.seq_id, None, "error", 0, 0, why))
-        self._run_deferred()
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -403,9 +343,7 @@ class LLMService:
         return task
 
     def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
         self.grammars.close()
         self.fetcher.close()
 

@@ -146,7 +146,7 @@ async def test_a_failed_model_step_fails_its_requests_and_the_loop_serves_on(tin
         later = await asyncio.gather(*(generate(client, request(p)) for p in prompts[:3]))
         assert later == reference[:3]
         assert service.healthy and service.pong().healthy
-        assert not service._loop_task.done()
+        assert service.loop.running
         assert no_pins(engine) and not engine.has_work()
 
 
