@@ -22,11 +22,6 @@ from llm_stage.sequence import Sequence
 from shared.messages import TokenLogprobs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of ``logits`` (float32, (len(seqs), vocab))."""
-    return sample_with_logprobs(logits, seqs)[0]
-
-
 def sample_with_logprobs(
     logits: torch.Tensor, seqs: list[Sequence]
 ) -> tuple[list[int], list[TokenLogprobs | None]]:

@@ -31,10 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
 
 
-def is_url(name: str) -> bool:
-    return name.startswith(("http://", "https://"))
-
-
 def main(args: argparse.Namespace) -> int:
     if len(args.names) != 1:
         print("mmcache bench URL takes one URL (and --compare URL2)", file=sys.stderr)

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from llm_stage import logits_processors
-from llm_stage.sampler import sample
+from llm_stage.sampler import sample_with_logprobs
 from llm_stage.sequence import Sequence
 from shared.block_hash import root_hash
 from shared.messages import SamplingParams
@@ -88,9 +88,9 @@ def test_min_tokens_equals_hf_min_new_tokens() -> None:
     logits_processors.process(got, [s])
     hf = MinNewTokensLengthLogitsProcessor(3, 3, EOS)
     assert torch.equal(got, hf(torch.tensor([s.token_ids]), x.clone()))
-    assert sample(got, [s]) != [EOS]
+    assert sample_with_logprobs(got, [s])[0] != [EOS]
     done = seq([1, 2, 3], [4, 5, 6], min_tokens=3)  # has its three tokens: free to stop
-    assert sample(x.clone(), [done]) == [EOS]
+    assert sample_with_logprobs(x.clone(), [done])[0] == [EOS]
 
 
 def test_plain_rows_are_not_touched_in_a_mixed_batch() -> None:
@@ -110,4 +110,4 @@ def test_logit_bias_minus_100_bans_the_favourite(temperature: float) -> None:
     s = seq([1], [], logit_bias={favourite: -100.0})
     s.sampling = dataclasses.replace(s.sampling, temperature=temperature, seed=1)
     for _ in range(20):
-        assert sample(x.clone(), [s]) != [favourite]
+        assert sample_with_logprobs(x.clone(), [s])[0] != [favourite]
