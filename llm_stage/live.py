@@ -34,7 +34,7 @@ class LiveRequest:
 
 
 async def send_replies(live: LiveRequest, stream: bool) -> ErrorReply | None:
-    """Send ``live``'s outputs to its caller until it ends: when ``stream``, one chunk of what came
+    """Send ``live``'s outputs to its caller until it ends: when ``stream``, one reply with what came
     since the last one, else one every :data:`PROGRESS_EVERY` tokens and one at the end. If it
     failed, the error to end it with (the caller sends it)."""
     tokens: list[int] = []
@@ -52,10 +52,10 @@ async def send_replies(live: LiveRequest, stream: bool) -> ErrorReply | None:
         prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
         if not stream and last.finish_reason is None and len(tokens) < PROGRESS_EVERY:
             continue  # a message per PROGRESS_EVERY tokens instead of one per step
-        chunk = GenerateChunk(
+        out = GenerateChunk(
             tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
         )
-        await live.reply.send(chunk, final=last.finish_reason is not None)
+        await live.reply.send(out, final=last.finish_reason is not None)
         if last.finish_reason is not None:
             return None
         tokens, logprobs, prompt = [], [], None
