@@ -10,7 +10,7 @@ from llm_stage.media_fetch import ChunkRef
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import Sequence
 from shared.keys import ChunkKey
-from shared.messages import ErrorReply, GenerateChunk, Reencoded, TokenLogprobs
+from shared.messages import ErrorReply, GenerateReply, Reencoded, TokenLogprobs
 from shared.rpc import Responder
 
 # NOTE: a request nobody reads token by token still reports its tokens every so often, so that if
@@ -52,7 +52,7 @@ async def send_replies(live: LiveRequest, stream: bool) -> ErrorReply | None:
         prompt = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), prompt)
         if not stream and last.finish_reason is None and len(tokens) < PROGRESS_EVERY:
             continue  # a message per PROGRESS_EVERY tokens instead of one per step
-        out = GenerateChunk(
+        out = GenerateReply(
             tokens, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, logprobs, prompt
         )
         await live.reply.send(out, final=last.finish_reason is not None)

@@ -30,7 +30,7 @@ from processor.responses import SSE_DONE, Completion, model_card, sse
 from processor.stages import StageClients
 from shared.checkpoint import ModelSpec
 from shared.config import ProcessorConfig, split_list
-from shared.messages import GenerateChunk
+from shared.messages import GenerateReply
 from shared.metrics import metrics_url
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ async def _respond(request: web.Request, completion: Completion) -> web.StreamRe
 
 async def _stream(
     request: web.Request,
-    generation: AsyncGenerator[tuple[int, GenerateChunk], None],
+    generation: AsyncGenerator[tuple[int, GenerateReply], None],
     completion: Completion,
 ) -> web.StreamResponse:
     # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.

@@ -16,14 +16,14 @@ from collections.abc import AsyncGenerator, Callable
 
 from processor.dispatch import Dispatcher
 from processor.pipeline import Prepared
-from shared.messages import GenerateChunk
+from shared.messages import GenerateReply
 
 _DONE = object()
 
 
 async def choices(
     dispatcher: Dispatcher, prepared: Prepared, finished: Callable[[int], bool]
-) -> AsyncGenerator[tuple[int, GenerateChunk], None]:
+) -> AsyncGenerator[tuple[int, GenerateReply], None]:
     """(choice index, reply) as they come; leaving early aborts every choice still generating.
 
     ``finished(i)``: has the caller done with choice ``i`` (read after each of its replies has
@@ -45,7 +45,7 @@ async def choices(
         raise
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, replies: AsyncGenerator[GenerateChunk, None]) -> None:
+    async def pump(index: int, replies: AsyncGenerator[GenerateReply, None]) -> None:
         try:
             async with contextlib.aclosing(replies):
                 async for reply in replies:

@@ -30,7 +30,7 @@ from shared.media_spans import ChunkPlace, chunk_places
 from shared.messages import (
     EncodeItem,
     EncodeRequest,
-    GenerateChunk,
+    GenerateReply,
     GenerateRequest,
     LookupRequest,
     NeedEncode,
@@ -89,7 +89,7 @@ class Dispatcher:
 
     async def generate(
         self, prepared: Prepared, index: int = 0, stream: bool = False
-    ) -> AsyncGenerator[GenerateChunk, None]:
+    ) -> AsyncGenerator[GenerateReply, None]:
         """Stream the chosen LLM replica's replies for choice ``index`` (``stream``: every step's
         tokens as they come, even when the client waits for the whole answer); leaving early
         aborts the generation.
@@ -130,7 +130,7 @@ class Dispatcher:
 
     async def _attempt(
         self, prepared: Prepared, probe: ProbeRequest, index: int, stream: bool, resume: list[int]
-    ) -> AsyncGenerator[GenerateChunk, None]:
+    ) -> AsyncGenerator[GenerateReply, None]:
         """One try at one LLM replica; raises :class:`_ReplicaGone` if it dies before the end."""
         try:
             route = await self.stages.route(probe, self.timeout)

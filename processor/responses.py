@@ -14,7 +14,7 @@ from processor.pipeline import Prepared
 from processor.request import ChatRequest
 from processor.request_log import RequestRecord
 from processor.tool_stream import ToolCall, ToolStream, split_tool_calls
-from shared.messages import GenerateChunk
+from shared.messages import GenerateReply
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -43,7 +43,7 @@ class Choice:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
 
-    def update(self, chunk: GenerateChunk) -> None:
+    def update(self, chunk: GenerateReply) -> None:
         if self.finish_reason is not None:
             return  # a stop string ended it; the stage's last tokens are not part of the answer
         self.num_cached_tokens = chunk.num_cached_tokens

@@ -249,7 +249,7 @@ class TokenLogprobs:
 
 @message
 @dataclass(frozen=True, slots=True)
-class GenerateChunk:
+class GenerateReply:
     """Streamed reply: new tokens; the last one carries ``finish_reason``."""
 
     token_ids: list[int]
@@ -257,7 +257,7 @@ class GenerateChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked
-    # Asked for: in the first chunk, one per prompt token (None for the first: nothing precedes it).
+    # Asked for: in the first reply, one per prompt token (None for the first: nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 

@@ -27,7 +27,7 @@ from shared.config import LLMConfig
 from shared.discovery import ReplicaSet
 from shared.messages import (
     ErrorReply,
-    GenerateChunk,
+    GenerateReply,
     GenerateRequest,
     Ping,
     Pong,
@@ -103,7 +103,7 @@ async def generate(client: RpcClient, msg: GenerateRequest) -> list[int] | Error
     try:
         async with client.stream(msg, timeout=60) as replies:
             async for reply in replies:
-                assert isinstance(reply, GenerateChunk)
+                assert isinstance(reply, GenerateReply)
                 tokens += reply.token_ids
     except RemoteError as exc:
         return exc.reply

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from processor.pipeline import Prepared
 from processor.request import parse_chat_request
 from processor.responses import Completion
-from shared.messages import GenerateChunk, TokenLogprobs
+from shared.messages import GenerateReply, TokenLogprobs
 
 TEXT = "the baker pulled golden loaves from a brick oven while gulls argued over scraps"
 STOP = "loaves from"
@@ -29,13 +29,13 @@ def completion(tok, **extra) -> Completion:
     return Completion("m", req, Prepared(req, [1, 2, 3], [], [], None), tok)
 
 
-def replies(ids: list[int], size: int) -> list[GenerateChunk]:
+def replies(ids: list[int], size: int) -> list[GenerateReply]:
     """The stage's replies, ``size`` tokens each; token i's logprob is -i (to tell them apart)."""
     out = []
     for at in range(0, len(ids), size):
         part = ids[at : at + size]
         lps = [TokenLogprobs(-float(at + i), [ids[at + i]], [-float(at + i)]) for i in range(len(part))]
-        out.append(GenerateChunk(part, "length" if at + size >= len(ids) else None, 3, 0, lps))
+        out.append(GenerateReply(part, "length" if at + size >= len(ids) else None, 3, 0, lps))
     return out
 
 

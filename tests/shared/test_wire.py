@@ -107,7 +107,7 @@ def _with_header(frames: list[Any], header: dict) -> list[Any]:
 def test_messages_module_defines_the_expected_core_types():
     names = {cls.__name__ for cls in _registered()}
     assert {"Ping", "Pong", "ErrorReply", "EncodeItem", "EncodeRequest", "MediaSpan", "Abort"} <= names
-    assert {"SamplingParams", "GenerateRequest", "GenerateChunk"} <= names
+    assert {"SamplingParams", "GenerateRequest", "GenerateReply"} <= names
 
 
 @pytest.mark.parametrize("cls", _registered(), ids=lambda c: c.__name__)
