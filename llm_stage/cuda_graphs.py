@@ -8,8 +8,10 @@ Token ids, rotary tables and the attention backend's metadata live in fixed buff
 are refilled before each replay. Every other step (prefills, prompt logprobs, batches past
 the largest size) runs eagerly.
 
-The bucketing and eligibility rules are pure functions (tested on CPU); capture and replay
-need CUDA and a backend whose plan lives in fixed buffers (``graphable``, FlashInfer).
+The bucketing and eligibility rules are pure functions; capture and replay need a backend whose
+plan lives in fixed buffers (``graphable``: FlashInfer). Off CUDA (tests only: the engine builds
+graphs on CUDA alone) a "graph" reruns the captured call on the same buffers, so the buffer and
+padding logic is tested on CPU too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,9 +70,21 @@ class GraphableBackend(Protocol):
     def update_graph_plan(self, plan: Any, layout: PagedLayout) -> None: ...
 
 
+class _EagerReplay:
+    """A CUDA graph's contract without one: each replay reruns the call on the same input buffers
+    and writes the same output buffer."""
+
+    def __init__(self, call: Callable[[], torch.Tensor]):
+        self.call = call
+        self.out = call()
+
+    def replay(self) -> None:
+        self.out.copy_(self.call())
+
+
 @dataclass(frozen=True, slots=True)
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | _EagerReplay
     ids: torch.Tensor  # (batch,) token ids
     cos: torch.Tensor  # (batch, 1, head_dim)
     sin: torch.Tensor  # (batch, 1, head_dim), folded (model_runner.fold_sin)
@@ -95,10 +109,12 @@ class DecodeGraphs:
     def capture(self) -> float:
         """Capture every size, largest first (smaller ones reuse its memory pool); returns seconds."""
         began = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        cuda = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if cuda else None
         for batch in sorted(self.sizes, reverse=True):
             self.graphs[batch] = self._capture(batch, pool)
-        torch.cuda.synchronize(self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device)
         return time.monotonic() - began
 
     def _rope(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +130,9 @@ class DecodeGraphs:
         plan = self.backend.graph_plan(batch)
         empty = PagedLayout([0], [0], [], [], [])
         self.backend.update_graph_plan(plan, empty.padded(batch, self.pad_block, self.block_size))
+        if self.device.type != "cuda":
+            replay = _EagerReplay(lambda: self.runner.decode_logits(ids, (cos, sin), plan))
+            return _Graph(replay, ids, cos, sin, plan, replay.out)
         # NOTE: warm up on a side stream first (library handles, workspaces and lazy kernels are
         # set up outside the capture, as CUDA graphs require).
         side = torch.cuda.Stream(self.device)

@@ -14,15 +14,19 @@ import torch
 
 from llm_stage.attention import SdpaBackend
 from llm_stage.attention_select import BackendChoice, choose_backend, log_choice, make_backend
-from llm_stage.cuda_graphs import bucket, build_graphs, capture_sizes, is_decode_only
+from llm_stage.cuda_graphs import DecodeGraphs, bucket, build_graphs, capture_sizes, is_decode_only
 from llm_stage.kv_cache import KVCache
+from llm_stage.model_runner import ModelRunner
 from llm_stage.paged_layout import paged_layout
 from llm_stage.scheduler import StepItem
 from llm_stage.sequence import Sequence
+from llm_stage.text_model import TextLM
 from shared.block_hash import root_hash
+from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig, add_arguments, from_args
 from shared.keys import Fingerprint
 from shared.messages import SamplingParams
+from tests.llm_stage.paged_reference import PagedReference
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -206,3 +210,45 @@ def test_flags_and_variables_set_the_backend_and_the_graph_cap(monkeypatch):
 def test_bad_backend_flags_are_refused_with_the_flag_named(bad, message):
     with pytest.raises(ValueError, match=message):
         LLMConfig(**bad)
+
+
+# --- the graph runner's buffers and padding, replayed without CUDA -----------------------------
+
+
+def test_padded_decode_replays_give_the_eager_logits_and_write_only_owned_and_spare_blocks(tiny_models):
+    """Decode steps through DecodeGraphs (fixed buffers refilled per step, batches padded to the
+    captured sizes) against the SDPA runner's forward over the same pool, step by step. Off CUDA a
+    "graph" reruns the captured call, so what is checked is everything but the capture itself."""
+    lm = TextLM(ModelSpec.load(tiny_models["qwen2-vl"]), CPU, torch.float32)
+    size, blocks = 16, 24
+    spare = blocks  # the block past those sequences own
+    kv = KVCache(lm, blocks + 1, size, CPU, torch.float32)
+    paged = PagedReference(kv, lm.num_heads, lm.scaling, max_pages_per_seq=4)
+    eager = ModelRunner(lm, kv)  # SDPA
+    graphs = DecodeGraphs(ModelRunner(lm, kv, paged), paged, (1, 2, 4), spare)
+    graphs.capture()
+    seqs = [seq_with(5, 0, [7], 1), seq_with(20, 0, [2, 11], 2), seq_with(33, 0, [0, 5, 9, 20], 3)]
+    for seq in seqs:
+        (logits,) = eager.forward([StepItem(seq, 0, seq.num_tokens, True)])[0]
+        seq.token_ids.append(int(logits.argmax()))
+    kv.kv[:, spare * size : (spare + 1) * size] = 0  # the capture's dummy rows wrote here
+    for step in range(8):
+        alive = seqs if step < 5 else seqs[2:]  # 3 rows (padded to 4), then 1
+        items = [StepItem(s, s.num_tokens - 1, s.num_tokens, True) for s in alive]
+        got = graphs.run(items)
+        assert got is not None and got.shape[0] == len(alive)
+        got = got.clone()
+        want = eager.forward(items)[0]  # recomputes the same rows into the same slots
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for seq, row in zip(alive, want, strict=True):
+            seq.token_ids.append(int(row.argmax()))
+    assert graphs.replays == 8
+    per_block = kv.kv.view(kv.kv.shape[0], blocks + 1, size, -1)
+    owned = {b for s in seqs for b in s.block_table}
+    assert per_block[:, [b for b in range(blocks) if b not in owned]].abs().sum() == 0  # nobody else's
+    assert per_block[:, spare, 0].abs().sum() > 0  # the padding row of the 3-row steps wrote here
+    assert per_block[:, spare, 1:].abs().sum() == 0  # and only its one slot
+    prefill = [StepItem(seq_with(8, 0, [1]), 0, 8, True)]
+    assert graphs.run(prefill) is None  # not a decode step: the caller runs it eagerly
+    five = [StepItem(s, s.num_tokens - 1, s.num_tokens, True) for s in [*seqs, *seqs[:2]]]
+    assert graphs.run(five) is None  # past the largest captured size
