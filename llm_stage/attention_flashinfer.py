@@ -61,15 +61,17 @@ class FlashInferBackend:
         ]
 
     def _plan(self, wrapper: Any, layout: PagedLayout) -> None:
+        # NOTE: host tensors on purpose: plan reads the indptrs on the host anyway (device ones would
+        # cost a sync) and copies what the kernel needs into its own (graph-fixed) buffers.
         wrapper.plan(
-            _int32(layout.qo_indptr),
-            _int32(layout.kv_indptr),
-            _int32(layout.kv_indices),
-            _int32(layout.last_page_len),
-            self.num_heads,
-            self.kv.num_kv_heads,
-            self.head_dim,
-            self.kv.block_size,
+            qo_indptr=_int32(layout.qo_indptr),
+            paged_kv_indptr=_int32(layout.kv_indptr),
+            paged_kv_indices=_int32(layout.kv_indices),
+            paged_kv_last_page_len=_int32(layout.last_page_len),
+            num_qo_heads=self.num_heads,
+            num_kv_heads=self.kv.num_kv_heads,
+            head_dim_qk=self.head_dim,
+            page_size=self.kv.block_size,
             causal=True,
             sm_scale=self.scaling,
             q_data_type=self.dtype,

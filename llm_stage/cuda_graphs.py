@@ -184,7 +184,7 @@ def build_graphs(
         log.info("cuda graphs: off (device %s)", runner.device)
         return None
     if not getattr(backend, "graphable", False) or pad_block is None:
-        log.warning("cuda graphs: off (the %s attention backend is not capturable)", type(backend).__name__)
+        log.info("cuda graphs: off (the %s attention backend is not capturable)", type(backend).__name__)
         return None
     graphs = DecodeGraphs(runner, backend, sizes, pad_block)
     try:
