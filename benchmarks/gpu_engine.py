@@ -4,7 +4,8 @@ batch sizes (the engine's own step loop; no HTTP, no encoder: what the GPU path 
 
 Run by scripts/gpu-check on a GPU; it also runs on CPU (``--device cpu --shape tiny``) to check
 the harness. The checkpoint is generated offline: ``--shape mid`` is Qwen2-0.5B's text shape
-(hidden 896, 24 layers, 14 heads, 2 KV heads, head_dim 64, MLP 4864, vocab 151936) on the tiny
+(hidden 896, 24 layers, 14 heads, 2 KV heads, head_dim 64, MLP 4864, vocab 151936 untied: 630 M
+text parameters) on the tiny
 tokenizer and vision tower, random weights; ``2b`` is Qwen2-VL-2B's text shape (head_dim 128).
 Every figure is a median over repeats, with min-max beside it; the device syncs before each clock
 read (the sampler's ``tolist`` does so at the end of every step).
@@ -77,6 +78,7 @@ def sized_checkpoint(root: Path, shape: str) -> Path:
     dims = dict(SHAPES[shape])
     config["text_config"]["rope_parameters"]["mrope_section"] = dims.pop("mrope_section")
     config["text_config"].update(dims, max_window_layers=dims["num_hidden_layers"], dtype="bfloat16")
+    config["text_config"].pop("layer_types", None)  # one per layer: rebuilt for the new depth
     config["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
