@@ -5,8 +5,8 @@ batch sizes (the engine's own step loop; no HTTP, no encoder: what the GPU path 
 Run by scripts/gpu-check on a GPU; it also runs on CPU (``--device cpu --shape tiny``) to check
 the harness. The checkpoint is generated offline: ``--shape mid`` is Qwen2-0.5B's text shape
 (hidden 896, 24 layers, 14 heads, 2 KV heads, head_dim 64, MLP 4864, vocab 151936 untied: 630 M
-text parameters) on the tiny
-tokenizer and vision tower, random weights; ``2b`` is Qwen2-VL-2B's text shape (head_dim 128).
+text parameters) on the tiny tokenizer and vision tower, random weights; ``2b`` is Qwen2-VL-2B's
+text shape (head_dim 128).
 Every figure is a median over repeats, with min-max beside it; the device syncs before each clock
 read (the sampler's ``tolist`` does so at the end of every step).
 
