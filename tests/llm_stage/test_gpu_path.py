@@ -15,6 +15,7 @@ import torch
 from llm_stage.attention import SdpaBackend
 from llm_stage.attention_select import BackendChoice, choose_backend, log_choice, make_backend
 from llm_stage.cuda_graphs import DecodeGraphs, bucket, build_graphs, capture_sizes, is_decode_only
+from llm_stage.engine import Engine
 from llm_stage.kv_cache import KVCache
 from llm_stage.model_runner import ModelRunner
 from llm_stage.paged_layout import paged_layout
@@ -252,3 +253,34 @@ def test_padded_decode_replays_give_the_eager_logits_and_write_only_owned_and_sp
     assert graphs.run(prefill) is None  # not a decode step: the caller runs it eagerly
     five = [StepItem(s, s.num_tokens - 1, s.num_tokens, True) for s in [*seqs, *seqs[:2]]]
     assert graphs.run(five) is None  # past the largest captured size
+
+
+@pytest.mark.parametrize("wanted", ["auto", "sdpa", "flashinfer"])
+def test_on_cpu_every_choice_serves_the_sdpa_path_as_before(tiny_models, wanted, caplog):
+    """Whatever is asked for, a CPU engine runs the SDPA backend over a pool of exactly the blocks
+    it hands out (no spare block, no graphs), and greedy tokens equal the plain runner's."""
+    path = tiny_models["qwen2-vl"]
+    spec = ModelSpec.load(path)
+    cfg = LLMConfig(
+        model=str(path), device="cpu", dtype="float32", num_kv_blocks=40, attention_backend=wanted
+    )
+    with caplog.at_level(logging.INFO):
+        engine = Engine(cfg, spec)
+    assert engine.attention_backend == "sdpa" and engine.graphs is None
+    assert type(engine.runner.attention) is SdpaBackend
+    assert engine.kv.num_blocks == len(engine.blocks.blocks) == 40
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "attention" in r.getMessage()]
+    assert len(warned) == (1 if wanted == "flashinfer" else 0)
+    seq = seq_with(21, 0, [], 1)
+    engine.submit(seq)
+    while engine.has_work():
+        engine.step()
+    # the same prompt through a bare SDPA runner over a fresh pool, greedy
+    lm = TextLM(spec, CPU, torch.float32)
+    runner = ModelRunner(lm, KVCache(lm, 6, 16, CPU, torch.float32))
+    ref = seq_with(21, 0, list(range(6)), 2)  # 21 + 64 tokens fit 6 blocks
+    while ref.num_tokens < seq.num_tokens:
+        start = 0 if ref.num_tokens == 21 else ref.num_tokens - 1
+        (logits,) = runner.forward([StepItem(ref, start, ref.num_tokens, True)])[0]
+        ref.token_ids.append(int(logits.argmax()))
+    assert seq.token_ids == ref.token_ids
