@@ -207,6 +207,39 @@ def run(
     return rows
 
 
+def anchors(device: str, weight_bytes: int, quick: bool) -> dict[str, float]:
+    """The device's physical limits, measured now: copy bandwidth (read + write of a 1 GiB bf16
+    tensor) and bf16 matmul throughput, and the batch-1 decode time they bound (every weight read
+    once per step)."""
+    dev = torch.device(device)
+    n = 8192 if dev.type == "cuda" else 2048
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev)  # 1 GiB
+    dst = torch.empty_like(src)
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    copies, matmuls = [], []
+    for _ in range(2 if quick else 5):
+        for work, out, amount in (
+            (lambda: dst.copy_(src), copies, 2 * src.nbytes),
+            (lambda: a @ b, matmuls, 2 * n**3),
+        ):
+            work()  # warm
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            began = time.perf_counter()
+            work()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            out.append(amount / (time.perf_counter() - began))
+    bandwidth = statistics.median(copies)
+    return {
+        "copy_GB_s": bandwidth / 1e9,
+        "matmul_TFLOP_s": statistics.median(matmuls) / 1e12,
+        "weights_GB": weight_bytes / 1e9,
+        "decode_b1_bound_ms": 1000 * weight_bytes / (bandwidth / 2),  # a copy moves its bytes twice
+    }
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     keys = [k for k in rows[0] if isinstance(rows[0][k], dict)] if rows else []
     lines = ["| figure (median [min-max]) | " + " | ".join(r["ran"] for r in rows) + " |"]
@@ -236,8 +269,18 @@ def main() -> None:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rows = run(args.shape, args.device, batches, configs, args.quick, Path(args.root))
     print(f"\n{args.shape} checkpoint on {args.device}:\n{table(rows)}", flush=True)
+    spec = ModelSpec.load(sized_checkpoint(Path(args.root), args.shape))
+    from llm_stage.text_model import TextLM
+
+    lm = TextLM(spec, torch.device("cpu"), torch.bfloat16)
+    weight_bytes = (
+        sum(p.numel() * p.element_size() for p in lm.parameters()) - lm.model.embed_tokens.weight.nbytes
+    )
+    del lm  # NOTE: the embedding is gathered, not read whole, per step: left out of the bound
+    limits = anchors(args.device, weight_bytes, args.quick)
+    print("limits: " + ", ".join(f"{k} {v:.4g}" for k, v in limits.items()), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "limits": limits}, indent=1))
 
 
 if __name__ == "__main__":
