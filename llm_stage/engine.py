@@ -22,7 +22,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from llm_stage.attention_select import choose_backend, log_choice, make_backend
 from llm_stage.block_manager import BlockManager
+from llm_stage.cuda_graphs import build_graphs
 from llm_stage.faults import StepFaults
 from llm_stage.kv_cache import KVCache, kv_budget_bytes
 from llm_stage.model_runner import ModelRunner
@@ -99,9 +101,21 @@ class Engine:
         self.max_model_len = min(wanted_len, num_blocks * cfg.block_size)
         if self.max_model_len < wanted_len:
             log.warning("KV pool holds %d blocks: max_model_len capped to %d", num_blocks, self.max_model_len)
-        self.kv = KVCache(self.lm, num_blocks, cfg.block_size, self.device, self.dtype)
+        choice = choose_backend(cfg.attention_backend, self.device, self.dtype, self.lm.head_dim)
+        # NOTE: with CUDA graphs possible, the pool holds one spare block past those the block manager
+        # hands out: the padding rows of a captured decode batch write there and nowhere else.
+        graphs = choice.name == "flashinfer" and cfg.cuda_graph_max_batch > 0
+        pad_block = num_blocks if graphs else None
+        self.kv = KVCache(self.lm, num_blocks + int(graphs), cfg.block_size, self.device, self.dtype)
         store = PromptLogprobStore(num_blocks, cfg.block_size, self.device) if with_store else None
-        self.runner = ModelRunner(self.lm, self.kv)
+        max_pages = -(-self.max_model_len // cfg.block_size)
+        attention, choice = make_backend(choice, self.kv, self.lm.num_heads, self.lm.scaling, max_pages)
+        log_choice(choice)
+        self.attention_backend = choice.name
+        self.runner = ModelRunner(self.lm, self.kv, attention)
+        self.graphs = build_graphs(
+            self.runner, attention, cfg.cuda_graph_max_batch, cfg.max_num_seqs, pad_block
+        )
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, store)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         # NOTE: appended by the event loop, drained by the worker thread: deque's append and
@@ -111,10 +125,13 @@ class Engine:
         self.num_steps = 0
         self.num_step_failures = 0  # steps whose model call raised (their sequences failed)
         log.info(
-            "engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d, prefix cache %s",
+            "engine: %s on %s/%s, attention %s, cuda graphs %s, %d KV blocks of %d tokens, "
+            "max_model_len %d, prefix cache %s",
             spec.name,
             self.device,
             self.dtype,
+            self.attention_backend,
+            "on" if self.graphs is not None else "off",
             num_blocks,
             cfg.block_size,
             self.max_model_len,
@@ -203,7 +220,11 @@ class Engine:
             return result
         try:
             self.faults.check("compute")
-            logits, scored = self.runner.forward(plan.items)
+            logits = self.graphs.run(plan.items) if self.graphs is not None else None
+            if logits is None:
+                logits, scored = self.runner.forward(plan.items)
+            else:  # a decode-only step: nothing to score
+                scored = []
             tokens, logprobs = sample_with_logprobs(logits, plan.sampled)
         except Exception as exc:
             # NOTE: nothing of the plan was applied yet: ending its sequences leaves the engine

@@ -144,3 +144,11 @@ class ModelRunner:
         assert w.gate_up is not None and w.act is not None and w.down is not None  # a dense MLP
         gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
         return hidden + F.linear(w.act(gate) * up, w.down)
+
+    def decode_logits(self, ids: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
+        """Logits (float32) of rows that each compute one generated token (no media rows, no prompt
+        logprobs): the part of :meth:`forward` a CUDA graph captures (:mod:`llm_stage.cuda_graphs`)."""
+        hidden = self.lm.embed(ids)
+        for idx, weights in enumerate(self.lm.fused):
+            hidden = self._layer(idx, weights, hidden, rope, plan)
+        return self.lm.logits(hidden)

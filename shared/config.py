@@ -105,6 +105,8 @@ METRICS_PORT_HELP = (
 )
 LOG_FORMAT_HELP = "log format: text, or json (one object per line)"
 LOG_FORMATS = ("text", "json")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
+MAX_CUDA_GRAPH_BATCH = 512  # each captured size holds its own graph: keep their number bounded
 
 
 def _observability(metrics_port: int, log_format: str) -> None:
@@ -168,11 +170,31 @@ class LLMConfig:
     no_prompt_logprob_store: bool = opt(
         False, "keep no prompt logprobs beside the KV blocks (prompt_logprobs are then always computed)"
     )
+    attention_backend: str = opt(
+        "auto",
+        "attention over the paged KV cache: auto (flashinfer on CUDA when it imports and fits the model, "
+        "else sdpa), sdpa, or flashinfer (falls back to sdpa, with a warning, where it cannot run)",
+    )
+    cuda_graph_max_batch: int = opt(
+        64,
+        "largest decode batch replayed from a captured CUDA graph (CUDA with the flashinfer backend "
+        "only; larger batches run eagerly); 0: no CUDA graphs",
+    )
     metrics_port: int = opt(0, METRICS_PORT_HELP)
     log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
         _observability(self.metrics_port, self.log_format)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
+        if not 0 <= self.cuda_graph_max_batch <= MAX_CUDA_GRAPH_BATCH:
+            raise ValueError(
+                f"--cuda-graph-max-batch must be 0 (off) to {MAX_CUDA_GRAPH_BATCH}, "
+                f"got {self.cuda_graph_max_batch}"
+            )
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",

@@ -7,6 +7,7 @@ the ground truth the pipeline (three processes, caches, paged KV) is compared ag
 from __future__ import annotations
 
 import io
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -20,6 +21,12 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 VIDEO_FPS = 2.0  # the test videos are 2 fps and mmcache samples at 2 fps: every frame
 
 
+def reference_device() -> torch.device:
+    """Where the exactness suites run the reference and the engine: ``MMCACHE_TEST_DEVICE``
+    (``cpu`` when unset; ``cuda`` on a GPU machine, as scripts/gpu-check does). Both run float32."""
+    return torch.device(os.environ.get("MMCACHE_TEST_DEVICE", "cpu"))
+
+
 @dataclass(frozen=True)
 class HFResult:
     prompt_token_ids: list[int]
@@ -31,7 +38,7 @@ def load(model_dir: str) -> tuple[Any, Any]:
     """(processor, model) for a checkpoint directory, loaded once per test session."""
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return processor, model
+    return processor, model.to(reference_device())
 
 
 def as_image(image: Image.Image | bytes) -> Image.Image:
@@ -71,7 +78,7 @@ def hf_inputs(
         images=[as_image(i) for i in images] if images else None,
         return_tensors="pt",
         **kwargs,
-    )
+    ).to(reference_device())
 
 
 def hf_generate(
@@ -119,7 +126,7 @@ def hf_greedy_logprobs(
             output_scores=True,
             return_dict_in_generate=True,
         )
-    scores = torch.stack(out.scores)[:, 0].float()
+    scores = torch.stack(out.scores)[:, 0].float().cpu()
     return out.sequences[0, prompt_len:].tolist(), torch.log_softmax(scores, dim=-1)
 
 
@@ -134,5 +141,5 @@ def hf_prompt_logprobs(
     _, model = load(str(model_dir))
     inputs = hf_inputs(model_dir, messages, images, videos)
     with torch.inference_mode():
-        logits = model(**inputs).logits[0, :-1].float()
+        logits = model(**inputs).logits[0, :-1].float().cpu()
     return inputs["input_ids"][0].tolist(), torch.log_softmax(logits, dim=-1)

@@ -23,6 +23,7 @@ from shared.block_hash import root_hash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
 from shared.messages import MediaSpan, SamplingParams
+from tests.hf_reference import reference_device
 from tests.media import image_bytes
 
 ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
@@ -59,9 +60,9 @@ def env(request, tiny_models) -> Env:
         path,
         spec,
         AutoProcessor.from_pretrained(path),
-        AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval(),
+        AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval().to(reference_device()),
         Preprocessor(str(path), video_fps=2.0, max_video_frames=64),
-        VisionTower(spec, device="cpu", dtype="float32"),
+        VisionTower(spec, device=str(reference_device()), dtype="float32"),
     )
 
 
@@ -79,7 +80,7 @@ def _build_prompt(env: Env, text: str, images: list[tuple[int, int, int]]) -> Pr
     chat = env.hf_processor.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
-    inputs = env.hf_processor(text=[chat], images=pil or None, return_tensors="pt")
+    inputs = env.hf_processor(text=[chat], images=pil or None, return_tensors="pt").to(reference_device())
     ids = inputs["input_ids"][0].tolist()
     prompt = Prompt(ids, hf_inputs=dict(inputs))
     pad = env.spec.image_token_id
@@ -97,7 +98,8 @@ def _build_prompt(env: Env, text: str, images: list[tuple[int, int, int]]) -> Pr
 
 
 def make_engine(env: Env, **cfg) -> Engine:
-    options = {"model": str(env.path), "device": "cpu", "dtype": "float32", "num_kv_blocks": 96, **cfg}
+    device = str(reference_device())
+    options = {"model": str(env.path), "device": device, "dtype": "float32", "num_kv_blocks": 96, **cfg}
     return Engine(LLMConfig(**options), env.spec)
 
 

@@ -207,6 +207,8 @@ def _non_default(cls: type) -> object:
             values[f.name] = "bfloat16"
         elif f.name == "log_format":
             values[f.name] = "json"
+        elif f.name == "attention_backend":
+            values[f.name] = "sdpa"
         else:
             values[f.name] = f"/some/{f.name} with spaces"
     return cls(**values)
