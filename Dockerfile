@@ -4,7 +4,7 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# torch and torchvision must be a matching pair (see README: Deployment).
+# torch and torchvision must be a matching pair (docs/deployment.md).
 ARG TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 MMCACHE_HOME=/var/cache/mmcache
 
@@ -21,6 +21,9 @@ COPY shared ./shared
 COPY processor ./processor
 COPY encoder_stage ./encoder_stage
 COPY llm_stage ./llm_stage
+COPY benchmarks ./benchmarks
+# mmcache/ holds symlinks to the folders above (mmcache/shared -> ../shared, ...): everything installs
+# under the one top-level package `mmcache` (pyproject.toml: [tool.setuptools.package-dir]).
 COPY mmcache ./mmcache
 # The tiny test checkpoint is generated here, deterministically: every node that loads this image
 # has the same weights at /model without a shared volume. A real checkpoint is bind-mounted over it.

@@ -10,11 +10,13 @@ runs the short versions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 
 def _modules() -> tuple[str, ...]:
@@ -23,8 +25,11 @@ def _modules() -> tuple[str, ...]:
     return MODULES
 
 
-def run_benchmarks(names: list[str] | None = None, quick: bool | None = None) -> int:
-    """Run the named benchmark modules (default: all), print a table; returns the exit status."""
+def run_benchmarks(
+    names: list[str] | None = None, quick: bool | None = None, results_dir: Path | None = None
+) -> int:
+    """Run the named benchmark modules (default: all), print a table; returns the exit status.
+    ``results_dir``: also write the results there as one JSON file (:mod:`mmcache.results`)."""
     available = _modules()
     chosen = list(names or available)
     unknown = [n for n in chosen if n not in available]
@@ -52,7 +57,20 @@ def run_benchmarks(names: list[str] | None = None, quick: bool | None = None) ->
         print(f"=== {name}: {elapsed:.1f} s ===\n", flush=True)
         rows.append((name, elapsed, results))
     _table(rows, failed)
+    if results_dir is not None:
+        print(f"wrote {_save(results_dir, rows, failed, quick)}")
     return 1 if failed else 0
+
+
+def _save(directory: Path, rows: list[tuple[str, float, list]], failed: list[str], quick: bool) -> Path:
+    from mmcache.results import record, write
+
+    results = [
+        {"module": name, "seconds": round(elapsed, 1), **dataclasses.asdict(r), "status": r.status}
+        for name, elapsed, results in rows
+        for r in results
+    ]
+    return write(directory, record("builtin", {"quick": quick, "crashed": failed, "results": results}))
 
 
 def _table(rows: list[tuple[str, float, list]], failed: list[str]) -> None:
@@ -77,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mmcache.bench", description=__doc__)
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="the short versions")
+    parser.add_argument("--results-dir", type=Path, default=None, help="also write the results there (JSON)")
     args = parser.parse_args(argv)
-    return run_benchmarks(args.names, quick=True if args.quick else None)
+    return run_benchmarks(args.names, quick=True if args.quick else None, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

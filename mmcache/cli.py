@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from mmcache.tiny_model import TINY_MODEL_ARCHS
 from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
@@ -37,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("names", nargs="*", help="a deployment's URL, or benchmarks to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="the short versions (seconds, not minutes)")
+    bench.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help="also write the results as one JSON file there, with commit, date and machine "
+        "(e.g. benchmarks/results)",
+    )
     from mmcache.loadgen.cli import add_arguments as add_load_arguments
 
     add_load_arguments(bench)
@@ -84,4 +92,4 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "bench":
         from mmcache.bench import run_benchmarks
 
-        sys.exit(run_benchmarks(args.names, quick=True if args.quick else None))
+        sys.exit(run_benchmarks(args.names, quick=True if args.quick else None, results_dir=args.results_dir))

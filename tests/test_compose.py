@@ -63,5 +63,5 @@ def test_model_override_mounts_a_checkpoint_over_every_stage():
 def test_dockerfile_takes_its_base_image_as_a_build_argument():
     text = (ROOT / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE" in text and "FROM ${BASE_IMAGE}" in text
-    for package in ("shared", "processor", "encoder_stage", "llm_stage", "mmcache"):
+    for package in ("shared", "processor", "encoder_stage", "llm_stage", "benchmarks", "mmcache"):
         assert f"COPY {package} ./{package}" in text

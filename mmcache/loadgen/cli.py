@@ -7,7 +7,15 @@ import asyncio
 import sys
 from pathlib import Path
 
-from mmcache.loadgen.report import plot, print_ratios, print_summary, ratios, summary, write_json
+from mmcache.loadgen.report import (
+    plot,
+    print_ratios,
+    print_summary,
+    ratios,
+    save_results,
+    summary,
+    write_json,
+)
 from mmcache.loadgen.runner import run
 from mmcache.loadgen.workloads import WORKLOADS, Options
 
@@ -62,4 +70,6 @@ def main(args: argparse.Namespace) -> int:
     write_json(json_path, runs, summaries)
     plot(png_path, runs, summaries)
     print(f"wrote {json_path} and {png_path}")
+    if args.results_dir is not None:
+        print(f"wrote {save_results(args.results_dir, opt, runs, summaries)}")
     return 1 if any(s["failed"] for s in summaries) else 0

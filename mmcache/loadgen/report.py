@@ -4,12 +4,14 @@ two runs (``--compare``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
 from mmcache.loadgen.runner import Run
+from mmcache.loadgen.workloads import Options
 from mmcache.scrape import Samples
 
 PERCENTILES = (50, 90, 99)
@@ -80,6 +82,20 @@ def write_json(path: Path, runs: list[Run], summaries: list[dict]) -> None:
     if len(summaries) == 2:
         doc["ratios"] = ratios(summaries[0], summaries[1])
     path.write_text(json.dumps(doc, indent=2))
+
+
+def save_results(directory: Path, options: Options, runs: list[Run], summaries: list[dict]) -> Path:
+    """The summaries (not every request) as a results file with commit, date and machine."""
+    from mmcache.results import record, write
+
+    body: dict[str, object] = {
+        "workload": dataclasses.asdict(options),
+        "urls": [r.url for r in runs],
+        "runs": summaries,
+    }
+    if len(summaries) == 2:
+        body["ratios"] = ratios(summaries[0], summaries[1])
+    return write(directory, record("load", body))
 
 
 def ratios(a: dict, b: dict) -> dict[str, float | None]:

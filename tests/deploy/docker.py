@@ -87,6 +87,25 @@ def replica_metrics(base: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def until_each_replica_works(base: str, model: str, seeds: range) -> int:
+    """Send one distinct image at a time (at most ``len(seeds)``) until every encoder has encoded
+    a chunk and every LLM replica has run a step; returns how many it sent.
+
+    NOTE: which replica a request lands on is rendezvous hashing over replica ids that change
+    from run to run (container names): a fixed handful of requests leaves one replica idle now
+    and then (8 chunks on 2 encoders: 1 run in 128). Sending until each has worked creates the
+    state the callers check; a replica that never gets work in 32 tries is a real fault."""
+    sent = 0
+    for seed in seeds:
+        m = replica_metrics(base)
+        worked = [v > 0 for key in ("encoder_chunks_encoded", "llm_steps") for v in m.get(key, {}).values()]
+        if worked and all(worked):
+            break
+        answers(base, bodies(model, range(seed, seed + 1)))
+        sent += 1
+    return sent
+
+
 def up_replicas(base: str, stage: str) -> set[str]:
     """Addresses of the ``stage`` replicas the processor reaches."""
     _, body = get(base + "/health")

@@ -19,6 +19,7 @@ from tests.deploy.docker import (
     healthy,
     replica_metrics,
     sh,
+    until_each_replica_works,
     up_replicas,
     wait_for,
 )
@@ -38,6 +39,7 @@ def test_compose_scales_each_tier(image, reference):
             STARTUP,
         )
         assert answers(base, reference["bodies"]) == reference["answers"]
+        until_each_replica_works(base, reference["model"], range(300, 332))
         m = replica_metrics(base)
         encoded = m["encoder_chunks_encoded"]
         assert len(encoded) == 2 and all(v > 0 for v in encoded.values()), encoded  # both hold shards

@@ -104,15 +104,22 @@ def lose(proc, loss: str) -> None:
 
 
 def test_encoder_lost_mid_load_fails_nothing(stack, loss):
-    # NOTE: images big enough that the 24 prompts take several engine steps to prefill (the
-    # 2,048-token step budget): when the first stream starts and the encoder is lost, the others
-    # are still being encoded, or their rows are still to be fetched from it.
     want, _ = run(stack, bodies("uninterrupted-enc", 500, side=336))
     before = counters(stack)
     encoder = stack.procs[0]
-    got, killed_at = run(stack, bodies(f"{loss}-enc", 500, side=336), lambda: lose(encoder, loss), after=1)
+    # NOTE: the encoder is frozen (SIGSTOP) just before the load is sent, so the requests whose
+    # chunks it owns (about half of 24 distinct images) are placed there and wait on it (until the
+    # heartbeat drops it, ~1 s; placing takes milliseconds): the loss hits work in flight. Lost
+    # only as the first stream started, it could find its encodes all done (0 encoder retries,
+    # 0 repairs). As the first stream starts it is killed (or left hung); whichever of the
+    # heartbeat and the closed connection notices first, its requests are encoded at the next
+    # owner.
+    load = bodies(f"{loss}-enc", 500, side=336)  # made first: the freeze must precede only the sending
+    _lost.add(encoder.pid)
+    encoder.send_signal(signal.SIGSTOP)
+    got, killed_at = run(stack, load, lambda: lose(encoder, loss), after=1)
     delta = check(f"encoder {loss}", stack, got, want, before, killed_at)
-    # the kill really hit requests in flight: encoded again at the next owner, or repaired
+    # the frozen encoder held requests in flight: encoded again at the next owner, or repaired
     assert delta["encoder_retried"] + delta["repairs"] > 0, delta
     # new requests after the kill: encoded at the survivor, no error
     again, _ = run(stack, bodies("after-enc", 700))
