@@ -18,6 +18,7 @@ class SeqStatus(Enum):
     WAITING = auto()  # in the queue: holds no blocks
     RUNNING = auto()  # admitted: holds its blocks, computed each step
     WAITING_FOR_MEDIA = auto()  # admitted, but its next token needs media rows still being fetched
+    WAITING_FOR_KV = auto()  # not admitted: the shared KV tier is being read for its prefix
     FINISHED = auto()
 
 
@@ -57,6 +58,7 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks whose hashes are published
     num_preemptions: int = 0
     rows_pending: bool = False  # a fetch of its missing media rows is under way
+    kv_asked: bool = False  # the shared KV tier was asked for its prefix (once per sequence)
     probe_id: int = 0  # a probe's pin on its prefix, released once the scheduler has matched it
     finish_reason: str | None = None
     generator: torch.Generator | None = None

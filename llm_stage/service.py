@@ -16,6 +16,7 @@ import zmq
 from llm_stage.engine import Engine
 from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.kv_cache import KVCache
+from llm_stage.kv_tier import KVWanted
 from llm_stage.live import LiveRequest, send_replies
 from llm_stage.media_fetch import MediaFetcher, chunk_refs
 from llm_stage.media_rows import RowSupply
@@ -27,6 +28,7 @@ from shared.block_hash import block_hashes, root_hash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
 from shared.keys import ChunkKey
+from shared.kv_block_codec import StoredBlock
 from shared.messages import (
     Abort,
     ErrorReply,
@@ -45,6 +47,18 @@ from shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
 
+# stats() keys read from the KV tier's counters (``kv_store_<KVTierStats field>``)
+KV_TIER_COUNTERS = (
+    "kv_store_lookups",
+    "kv_store_skipped",
+    "kv_store_hit_blocks",
+    "kv_store_miss_blocks",
+    "kv_store_loaded_blocks",
+    "kv_store_bytes_in",
+    "kv_store_bytes_out",
+    "kv_store_written_blocks",
+    "kv_store_dropped_blocks",
+)
 IDLE_POLL_SECONDS = 0.05  # how long a step that could run nothing waits for news before trying again
 
 
@@ -66,6 +80,8 @@ class LLMService:
         self.metrics = LLMMetrics(self.stats)
         self.metrics_server: MetricsServer | None = None
         self.rows = RowSupply(cfg, engine, fetcher, self.metrics, self._spawn, self._wakeup)
+        if engine.kv_tier is not None:
+            engine.kv_tier.on_latency = self.metrics.kv_store_latency.observe
 
     def quick(self, msg: Any, reply: Responder) -> bool:
         """Everything but generation is answered as it arrives, without a task."""
@@ -122,6 +138,23 @@ class LLMService:
             "grammar_compiles": self.grammars.stats.compiles,
             "grammar_cache_hits": self.grammars.stats.hits,
             **self.engine.memory_info(),
+            **self._kv_tier_stats(),
+        }
+
+    def _kv_tier_stats(self) -> dict[str, Any]:
+        tier = self.engine.kv_tier
+        if tier is None:
+            return (
+                {"kv_store_enabled": 0, "kv_store_up": 0}
+                | dict.fromkeys(KV_TIER_COUNTERS, 0)
+                | {"kv_store_errors": {}}
+            )
+        stats = tier.stats
+        return {
+            "kv_store_enabled": 1,
+            "kv_store_up": int(tier.store.up),
+            **{key: getattr(stats, key.removeprefix("kv_store_")) for key in KV_TIER_COUNTERS},
+            "kv_store_errors": dict(stats.errors),
         }
 
     def pong(self) -> Pong:
@@ -273,6 +306,8 @@ class LLMService:
             for seq in result.admitted:
                 if (live := self._live.get(seq.seq_id)) is not None:
                     self.rows.admitted(live)
+            for kv_wanted in result.kv_fetches:  # KV tier hook: read a prefix from the shared store
+                self._spawn(self._read_kv(kv_wanted))
             for wanted in result.fetches:
                 live = self._live.get(wanted.seq.seq_id)
                 if live is not None:
@@ -287,6 +322,16 @@ class LLMService:
                     async with asyncio.timeout(IDLE_POLL_SECONDS):
                         await self._wakeup.wait()
 
+    async def _read_kv(self, wanted: KVWanted) -> None:
+        """Read ``wanted`` from the KV tier; the sequence goes on (with what came) in any case."""
+        blocks: list[StoredBlock] = []
+        try:
+            if self.engine.kv_tier is not None:
+                blocks = await self.engine.kv_tier.fetch(wanted.hashes)
+        finally:
+            self.engine.add_kv(wanted.seq, wanted.first, blocks)
+            self._wakeup.set()
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -299,6 +344,8 @@ class LLMService:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.grammars.close()
         self.fetcher.close()
+        if self.engine.kv_tier is not None:
+            self.engine.kv_tier.close()
 
 
 def _keys(spans: list[MediaSpan]) -> list[ChunkKey]:

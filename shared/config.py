@@ -168,12 +168,25 @@ class LLMConfig:
     no_prompt_logprob_store: bool = opt(
         False, "keep no prompt logprobs beside the KV blocks (prompt_logprobs are then always computed)"
     )
+    kv_store: str = opt(
+        "",
+        "shared KV tier: redis:// URL of a Redis/Valkey server every LLM replica shares (empty = off); "
+        "full blocks' KV is written there and read on a local prefix miss",
+    )
+    kv_store_timeout: float = opt(0.5, "seconds one read or write of the shared KV store may take")
+    kv_store_queue: int = opt(256, "KV blocks waiting to be written to the store; more are dropped (counted)")
     metrics_port: int = opt(0, METRICS_PORT_HELP)
     log_format: str = opt("text", LOG_FORMAT_HELP)
 
     def __post_init__(self) -> None:
         _observability(self.metrics_port, self.log_format)
+        if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"--kv-store must be a redis:// (or rediss://, unix://) URL, got {self.kv_store!r}"
+            )
         for name in (
+            "kv_store_timeout",
+            "kv_store_queue",
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
@@ -191,6 +204,11 @@ class LLMConfig:
     @property
     def prefix_cache(self) -> bool:
         return not (self.no_cache or self.no_prefix_cache)
+
+    @property
+    def kv_tier(self) -> bool:
+        """The shared KV tier is on: a store is given and the prefix cache it extends is on."""
+        return bool(self.kv_store) and self.prefix_cache
 
 
 @dataclass(frozen=True, slots=True)
