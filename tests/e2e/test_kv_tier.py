@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from mmcache.kv_store_server import RedisServer
 from tests.e2e.server import serving
 from tests.e2e.test_prompt_logprobs import CASES, body, same
 from tests.e2e.util import ok
-from tests.kv_store_server import RedisServer
 
 pytestmark = pytest.mark.e2e
 
