@@ -6,12 +6,18 @@ conversation. /health and /metrics show the store; ``--kv-store-server`` runs on
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
 from mmcache.kv_store_server import RedisServer
-from tests.e2e.server import serving
+from tests.e2e.server import free_port, serving, stage_env, wait_healthy
 from tests.e2e.test_prompt_logprobs import CASES, body, same
 from tests.e2e.util import ok
 
@@ -95,3 +101,88 @@ def test_serve_runs_its_own_store(tiny_model) -> None:
         assert counters["kv_store_enabled"] == 1 and counters["kv_store_up"] == 1
         assert counters["kv_store_written_blocks"] > 0
         assert len(srv.children) >= 4  # processor, encoder, llm and the store
+
+
+def test_next_turn_on_another_replica_hits_the_store(tiny_model, store, baseline) -> None:
+    """One processor, two LLM replicas on one store (each stage its own process, as compose runs
+    them): the replica that served turn 1 is killed, so turn 2 lands on the other one, which
+    reads turn 1's prefix from the store."""
+    env = stage_env()
+    base = [sys.executable, "-m", "mmcache"]
+    encoder = f"tcp://127.0.0.1:{free_port()}"
+    llms = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    port = free_port()
+    cmds = [[*base, "encoder", "--model", str(tiny_model), "--bind", encoder]]
+    cmds += [[*base, "llm", "--model", str(tiny_model), "--bind", a, "--kv-store", store.url] for a in llms]
+    cmds.append(
+        [
+            *base,
+            "processor",
+            "--model",
+            str(tiny_model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--encoder",
+            encoder,
+            "--llm",
+            ",".join(llms),
+        ]
+    )
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in cmds]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, procs)
+        model = tiny_model.name
+        turn1 = CASES["one_image"]()
+        first = _post(url, {**body_for(model, turn1)})
+        served = [
+            s for s in _health(url)["stages"] if s["stage"] == "llm" and s["counters"]["prefix_queries"] > 0
+        ]
+        assert len(served) == 1
+        victim = procs[1 + llms.index(served[0]["address"])]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # its writer stores turn 1's blocks within milliseconds
+            if served[0]["counters"]["kv_store_written_blocks"] > 0:
+                break
+            time.sleep(0.2)
+            served = [s for s in _health(url)["stages"] if s["address"] == served[0]["address"]]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        turn2 = [*turn1, {"role": "assistant", "content": first["choices"][0]["message"]["content"]}]
+        turn2.append({"role": "user", "content": "And what else?"})
+        got = _post(url, body_for(model, turn2))
+        want = ok(baseline, body_for(model, turn2))
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert cached(got) >= (len(first["prompt_token_ids"]) - 1) // 16 * 16  # turn 1 came from the store
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def body_for(model: str, messages: list[dict]) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+
+
+def _post(url: str, payload: dict) -> dict:
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def _health(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=30) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())
