@@ -46,6 +46,16 @@ class KVStore:
         # NOTE: no decode_responses: values come back as bytes
         return cast(list[bytes | None], await self._aio.mget(keys))
 
+    async def exists_many(self, keys: list[str]) -> list[int]:
+        if self._aio is None:
+            self._aio = aioredis.Redis.from_url(
+                self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout
+            )
+        pipe = self._aio.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(key)
+        return cast(list[int], await pipe.execute())
+
     def set_many(self, items: list[tuple[str, bytes]]) -> None:
         """Blocking (the writer thread's): one pipelined round trip."""
         if self._sync is None:

@@ -219,6 +219,23 @@ class KVTier:
         self.stats.hit_blocks += len(out)
         return out
 
+    async def stored(self, hashes: list[BlockHash]) -> int:
+        """How many leading blocks of ``hashes`` the store holds (a probe's hint: not read, not
+        checked); 0 on any store fault."""
+        if not hashes or self.store.down():
+            return 0
+        try:
+            async with asyncio.timeout(self.store.timeout):
+                found = await self.store.exists_many([self.layout.key(h) for h in hashes])
+        except Exception as exc:
+            self._failed(exc)
+            return 0
+        self.store.worked()
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        return n
+
     def _failed(self, exc: BaseException) -> None:
         if isinstance(exc, TimeoutError | redis.TimeoutError):
             reason = "timeout"

@@ -24,7 +24,7 @@ from llm_stage.metrics import LLMMetrics
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import SeqStatus, Sequence
 from llm_stage.validate import RequestError, validate, validate_probe
-from shared.block_hash import block_hashes, root_hash
+from shared.block_hash import BlockHash, block_hashes, root_hash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
 from shared.keys import ChunkKey
@@ -194,7 +194,27 @@ class LLMService:
             # NOTE: hashes from the processor only steer the probe; a hit is confirmed by tokens and
             # the request's own prefix is matched with hashes this stage computes itself.
             cached, probe_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
+            size = self.cfg.block_size
+            limit = (len(ids) - 1) // size  # full blocks, the last token always computed
+            if self.engine.kv_tier is not None and cached // size < limit:  # KV tier hook
+                wanted = hashes[cached // size : limit]
+                self._spawn(self._probe_store(reply, cached, probe_id, cached // size, wanted))
+                return
         reply.send_nowait(ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len))
+
+    async def _probe_store(
+        self, reply: Responder, cached: int, probe_id: int, first: int, hashes: list[BlockHash]
+    ) -> None:
+        """Answer a probe with the prefix the shared KV store adds past the local one."""
+        stored = 0
+        try:
+            assert self.engine.kv_tier is not None
+            n = await self.engine.kv_tier.stored(hashes)
+            stored = (first + n) * self.cfg.block_size if n else 0
+        finally:
+            reply.send_nowait(
+                ProbeReply(cached, probe_id, self.engine.load, self.engine.max_model_len, stored)
+            )
 
     # --- generate -------------------------------------------------------------------------
 

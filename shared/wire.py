@@ -17,7 +17,8 @@ import torch
 # 2: FetchReply rows are (tokens, feature sets, hidden), every feature set of a token together;
 #    SamplingParams gained penalties, logit_bias, min_tokens and grammar.
 # 3: SamplingParams gained logprobs and prompt_logprobs; GenerateChunk carries them (TokenLogprobs).
-PROTOCOL_VERSION = 3
+# 4: ProbeReply gained stored_tokens (the shared KV tier).
+PROTOCOL_VERSION = 4
 
 _REGISTRY: dict[str, type] = {}
 _FIELDS: dict[type, tuple[str, ...]] = {}  # each registered dataclass's field names

@@ -75,6 +75,8 @@ def test_a_fresh_replica_reads_prefixes_from_the_store(tiny_model, store, baseli
             prompt = len(got["prompt_token_ids"])
             assert cached(got) >= (prompt - 1) // 16 * 16 - 16, (kind, cached(got), prompt)
             assert cached(got) > 0
+            if kind != "text":  # the probe reported the store's prefix: its media was not encoded
+                assert got["usage"]["mm_cache"]["prefix_skipped"] >= 1, kind
         samples = b.metrics().by_name()
         assert samples["mmcache_llm_kv_store_hits_total"] > 0
         assert samples["mmcache_llm_kv_store_errors_total"] == 0
