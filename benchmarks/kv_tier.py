@@ -11,8 +11,8 @@ prefix (a ~2k-token system prompt, optionally with a 448x448 image) that no serv
 Reported: store hit / computed and store hit / local hit (TTFT ratios, medians over rounds), and
 the no-hit overhead of the store (A's step 1 over C's step 4: every prefix new, one store lookup
 that misses). A and C are different processes (a few percent apart on their own); the rounds
-interleave them so the machine's noise hits both alike. With an image the store hit still waits
-for B's encoder (probes do not report store-backed prefixes yet, so B's processor encodes it).
+interleave them so the machine's noise hits both alike. With an image, B's probe reports the
+store's prefix, so B's processor does not encode the image.
 
     python -m benchmarks.kv_tier [--quick]      (MMCACHE_BENCH_MODEL=DIR for another checkpoint)
 """
