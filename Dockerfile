@@ -9,6 +9,10 @@ ARG TORCH_SPEC="torch==2.14.1 torchvision==0.29.1"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 MMCACHE_HOME=/var/cache/mmcache
 
 WORKDIR /app
+# The shared KV tier's store (compose's kvstore service, deploy/kubernetes/kvstore.yaml) runs this
+# image with Debian's redis-server (redis-cli for its health check).
+RUN apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        redis-server redis-tools && rm -rf /var/lib/apt/lists/*
 # triton (0.9 GB) is torch's kernel compiler, which mmcache never calls: every copy of the image
 # (each Swarm node holds one) is smaller without it. Removed in the layer that installs it.
 # shellcheck disable=SC2086

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -100,6 +101,9 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self.pins: dict[int, Pin] = {}  # pin id → pin (probes' prefixes held for their requests)
         self._pin_ids = itertools.count(1)
+        # KV tier hook: called (engine thread) with each block that becomes
+        # the canonical copy of its hash, its KV and prompt logprob entries written.
+        self.on_publish: Callable[[Block], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -292,7 +296,27 @@ class BlockManager:
                 block.parent = hashes[i - 1]
                 block.media = block_media(seq.spans, i * self.block_size, self.block_size)
                 self.children.setdefault(block.parent, {})[block.block_id] = None
+            if canonical == block.block_id and self.on_publish is not None:  # KV tier hook
+                self.on_publish(block)
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+
+    def adopt(
+        self, block_hash: BlockHash, parent: BlockHash | None, token_ids: tuple[int, ...], media: BlockMedia
+    ) -> int | None:
+        """KV tier hook: register a block whose KV comes from elsewhere as cached and free (the
+        caller fills its slots at once, under the same lock). None if the hash is already cached
+        or no block is free."""
+        if not self.enable_caching or not self.free or block_hash in self.cached:
+            return None
+        block = self.blocks[self._take_free()]
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached[block_hash] = block.block_id
+        if parent is not None:
+            block.parent, block.media = parent, media
+            self.children.setdefault(parent, {})[block.block_id] = None
+        block.ref_count = 0
+        self._to_free_queue(block)
+        return block.block_id
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are evicted first."""

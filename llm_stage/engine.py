@@ -27,8 +27,10 @@ from llm_stage.block_manager import BlockManager
 from llm_stage.cuda_graphs import build_graphs
 from llm_stage.faults import StepFaults
 from llm_stage.kv_cache import KVCache, kv_budget_bytes
+from llm_stage.kv_store import KVStore
+from llm_stage.kv_tier import KVTier, KVWanted
 from llm_stage.model_runner import ModelRunner
-from llm_stage.prompt_logprobs import PromptLogprobStore
+from llm_stage.prompt_logprobs import K_MAX, PromptLogprobStore
 from llm_stage.sampler import sample_with_logprobs
 from llm_stage.scheduler import RowsWanted, Scheduler, StepOutput
 from llm_stage.sequence import MediaRows, SeqStatus, Sequence
@@ -36,6 +38,7 @@ from llm_stage.text_model import TextLM
 from shared.block_hash import BlockHash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
+from shared.kv_block_codec import KVLayout, StoredBlock
 from shared.messages import MediaSpan
 from shared.torch_utils import resolve_device, resolve_dtype
 
@@ -73,7 +76,16 @@ class Fail:
     message: str
 
 
-Command = Submit | Cancel | AddRows | GrammarReady | Fail
+@dataclass(frozen=True, slots=True)
+class AddKV:
+    """Blocks of ``seq``'s chain from block ``first`` read from the shared KV tier (maybe none)."""
+
+    seq: Sequence
+    first: int
+    blocks: list[StoredBlock]
+
+
+Command = Submit | Cancel | AddRows | GrammarReady | Fail | AddKV
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +94,7 @@ class StepResult:
     fetches: list[RowsWanted]  # media rows to fetch for sequences that lack them
     admitted: list[Sequence]  # sequences admitted for the first time (their cached prefix is known)
     computed: bool = False  # the step ran the model
+    kv_fetches: list[KVWanted] = dataclasses.field(default_factory=list)  # reads of the KV tier
 
 
 class Engine:
@@ -118,6 +131,7 @@ class Engine:
         )
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, store)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.kv_tier = self._kv_tier(cfg) if cfg.kv_tier else None
         # NOTE: appended by the event loop, drained by the worker thread: deque's append and
         # popleft are atomic, the only state both sides touch while a step runs.
         self._inbox: deque[Command] = deque()
@@ -137,6 +151,22 @@ class Engine:
             self.max_model_len,
             "on" if cfg.prefix_cache else "off",
         )
+
+    def _kv_tier(self, cfg: LLMConfig) -> KVTier:
+        """The shared KV tier, hooked into the block manager (writes) and the scheduler (reads)."""
+        layout = KVLayout(
+            self.spec.weights_fingerprint,
+            self.dtype,
+            cfg.block_size,
+            len(self.lm.layers),
+            self.lm.num_kv_heads,
+            self.lm.head_dim,
+            1 + K_MAX,
+        )
+        tier = KVTier(KVStore(cfg.kv_store, cfg.kv_store_timeout), layout, cfg.kv_store_queue)
+        self.blocks.on_publish = lambda block: tier.offer(self.kv, self.blocks, block)
+        self.scheduler.kv_wanted = lambda seq: tier.wanted(self.blocks, seq)
+        return tier
 
     # --- called from the event loop, between steps ---------------------------------
 
@@ -198,6 +228,10 @@ class Engine:
         """End ``seq`` with an error (its media rows or its grammar could not be had)."""
         self._inbox.append(Fail(seq, message))
 
+    def add_kv(self, seq: Sequence, first: int, blocks: list[StoredBlock]) -> None:
+        """Hand ``seq`` what the KV tier read for it (applied before the next step)."""
+        self._inbox.append(AddKV(seq, first, blocks))
+
     def has_work(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_work()
 
@@ -215,7 +249,7 @@ class Engine:
         for copy in plan.copies:
             self.runner.copy_block_start(copy)
             self.blocks.release([copy.source])
-        result = StepResult(outputs, plan.fetches, plan.admitted)
+        result = StepResult(outputs, plan.fetches, plan.admitted, kv_fetches=plan.kv_fetches)
         if not plan.items:
             return result
         try:
@@ -256,6 +290,10 @@ class Engine:
                 self.scheduler.rows_arrived(seq)
         elif isinstance(cmd, GrammarReady):
             self.scheduler.grammar_ready(seq, cmd.matcher)
+        elif isinstance(cmd, AddKV):
+            if self.kv_tier is not None and seq.status is SeqStatus.WAITING_FOR_KV:
+                self.kv_tier.adopt(self.kv, self.blocks, seq, cmd.first, cmd.blocks)
+            self.scheduler.kv_arrived(seq)
         elif isinstance(cmd, Cancel):
             if self.scheduler.abort(seq):
                 return self.scheduler.output(seq, None)

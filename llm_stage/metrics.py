@@ -93,10 +93,70 @@ FAMILIES = [
         "media chunks the cached prefix covered (not fetched)",
         "chunks_skipped",
     ),
+    Family(
+        "mmcache_llm_kv_store_enabled",
+        "gauge",
+        "1 when the shared KV tier (--kv-store) is on",
+        "kv_store_enabled",
+    ),
+    Family(
+        "mmcache_llm_kv_store_up", "gauge", "1 unless the KV store's last read or write failed", "kv_store_up"
+    ),
+    Family(
+        "mmcache_llm_kv_store_lookups", "counter", "reads sent to the shared KV store", "kv_store_lookups"
+    ),
+    Family(
+        "mmcache_llm_kv_store_skipped",
+        "counter",
+        "reads not sent: the KV store had failed moments before",
+        "kv_store_skipped",
+    ),
+    Family(
+        "mmcache_llm_kv_store_hits",
+        "counter",
+        "KV blocks read from the store and verified",
+        "kv_store_hit_blocks",
+    ),
+    Family(
+        "mmcache_llm_kv_store_misses",
+        "counter",
+        "reads that stopped at a block the store lacks",
+        "kv_store_miss_blocks",
+    ),
+    Family(
+        "mmcache_llm_kv_store_loaded_blocks",
+        "counter",
+        "KV blocks from the store copied into the pool",
+        "kv_store_loaded_blocks",
+    ),
+    Family("mmcache_llm_kv_store_bytes_in", "counter", "bytes read from the KV store", "kv_store_bytes_in"),
+    Family(
+        "mmcache_llm_kv_store_bytes_out", "counter", "bytes written to the KV store", "kv_store_bytes_out"
+    ),
+    Family(
+        "mmcache_llm_kv_store_written_blocks",
+        "counter",
+        "KV blocks written to the store",
+        "kv_store_written_blocks",
+    ),
+    Family(
+        "mmcache_llm_kv_store_dropped_blocks",
+        "counter",
+        "KV blocks not written: queue full, store down or the write failed",
+        "kv_store_dropped_blocks",
+    ),
+    Family(
+        "mmcache_llm_kv_store_errors",
+        "counter",
+        "KV store faults, by reason (store: timeout, connection, full; value refused: truncated, "
+        "length, checksum, layout, hash, format, tokens); each is served by computing",
+        "kv_store_errors",
+        "reason",
+    ),
 ]
 
 
-_UNSCHEDULED = (SeqStatus.WAITING, SeqStatus.WAITING_FOR_GRAMMAR)
+_UNSCHEDULED = (SeqStatus.WAITING, SeqStatus.WAITING_FOR_GRAMMAR, SeqStatus.WAITING_FOR_KV)
 
 
 @dataclass(slots=True)
@@ -129,6 +189,9 @@ class LLMMetrics:
         self.fetch = seconds(
             "mmcache_llm_embedding_fetch_seconds",
             "pulling one request's embedding rows (requests that pulled any)",
+        )
+        self.kv_store_latency = seconds(
+            "mmcache_llm_kv_store_read_seconds", "one read of a prefix's blocks from the shared KV store"
         )
         self.prompt_tokens = Counter(
             "mmcache_llm_prompt_tokens", "prompt tokens of finished requests", registry=r

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from llm_stage import prompt_logprob_blocks
 from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
+from llm_stage.kv_tier import KVWanted
 from llm_stage.prompt_logprobs import Scored
 from llm_stage.sequence import SeqStatus, Sequence
 from shared.messages import TokenLogprobs
@@ -85,6 +86,7 @@ class StepPlan:
     copies: list[BlockCopy] = field(default_factory=list)  # shared block starts, run before the forward
     fetches: list[RowsWanted] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # first admissions (their prefix is known)
+    kv_fetches: list[KVWanted] = field(default_factory=list)  # prefixes to read from the KV tier
 
     @property
     def sampled(self) -> list[Sequence]:
@@ -101,9 +103,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # admitted: RUNNING or WAITING_FOR_MEDIA
         self.compiling: dict[int, Sequence] = {}  # WAITING_FOR_GRAMMAR, by seq id
         self.num_preemptions = 0
+        # KV tier hook: the blocks of a sequence's chain to read from the shared store before it is
+        # admitted (None: nothing to read); its sequences wait in ``kv_waiting`` meanwhile.
+        self.kv_wanted: Callable[[Sequence], KVWanted | None] | None = None
+        self.kv_waiting: list[Sequence] = []
 
     def has_work(self) -> bool:
-        """Sequences a step could advance (not those waiting for their grammar)."""
+        """Sequences a step could advance (not those waiting for their grammar or the KV tier)."""
         return bool(self.waiting or self.running)
 
     @property
@@ -129,6 +135,8 @@ class Scheduler:
             return False
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.WAITING_FOR_KV:
+            self.kv_waiting.remove(seq)
         self._finish(seq, reason)
         return True
 
@@ -145,6 +153,28 @@ class Scheduler:
         if seq.status is SeqStatus.WAITING_FOR_MEDIA:
             seq.status = SeqStatus.RUNNING
 
+    def kv_arrived(self, seq: Sequence) -> None:
+        """The KV tier's read for ``seq`` is done (its blocks, if any, are in the pool): it goes back
+        to the front of the queue, where it was."""
+        if seq.status is SeqStatus.WAITING_FOR_KV:
+            self.kv_waiting.remove(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def _ask_kv_tier(self, seq: Sequence, plan: StepPlan) -> bool:
+        """KV tier hook: park ``seq`` while the store is read for its prefix (once per sequence)."""
+        if self.kv_wanted is None or seq.kv_asked:
+            return False
+        seq.kv_asked = True
+        wanted = self.kv_wanted(seq)
+        if wanted is None:
+            return False
+        self.waiting.popleft()
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.kv_waiting.append(seq)
+        plan.kv_fetches.append(wanted)
+        return True
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
@@ -160,6 +190,8 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._ask_kv_tier(seq, plan):
+                continue
             if not self._admit(seq, budget, plan):
                 break
             self.waiting.popleft()

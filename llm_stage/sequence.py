@@ -19,6 +19,7 @@ class SeqStatus(Enum):
     WAITING = auto()  # in the queue: holds no blocks
     RUNNING = auto()  # admitted: holds its blocks, computed each step
     WAITING_FOR_MEDIA = auto()  # admitted, but its next token needs media rows still being fetched
+    WAITING_FOR_KV = auto()  # not admitted: the shared KV tier is being read for its prefix
     FINISHED = auto()
 
 
@@ -59,6 +60,7 @@ class Sequence:
     num_preemptions: int = 0
     rows_pending: bool = False  # a fetch of its missing media rows is under way
     pin_id: int = 0  # its probe's pin on its prefix (BlockManager.pins): let go at admission or end
+    kv_asked: bool = False  # the shared KV tier was asked for its prefix (once per sequence)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)

@@ -27,6 +27,7 @@ from llm_stage.engine import Engine, StepResult
 from llm_stage.engine_loop import EngineLoop
 from llm_stage.grammar import GrammarCache, GrammarError
 from llm_stage.kv_cache import KVCache
+from llm_stage.kv_tier import KVWanted
 from llm_stage.live import LiveRequest, send_replies
 from llm_stage.media_fetch import MediaFetcher, chunk_refs
 from llm_stage.media_rows import RowSupply
@@ -34,10 +35,11 @@ from llm_stage.metrics import LLMMetrics
 from llm_stage.scheduler import StepOutput
 from llm_stage.sequence import SeqStatus, Sequence
 from llm_stage.validate import RequestError, validate, validate_probe
-from shared.block_hash import block_hashes, root_hash
+from shared.block_hash import BlockHash, block_hashes, root_hash
 from shared.checkpoint import ModelSpec
 from shared.config import LLMConfig
 from shared.keys import ChunkKey
+from shared.kv_block_codec import StoredBlock
 from shared.messages import (
     Abort,
     ErrorReply,
@@ -56,6 +58,18 @@ from shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
 
+# stats() keys read from the KV tier's counters (``kv_store_<KVTierStats field>``)
+KV_TIER_COUNTERS = (
+    "kv_store_lookups",
+    "kv_store_skipped",
+    "kv_store_hit_blocks",
+    "kv_store_miss_blocks",
+    "kv_store_loaded_blocks",
+    "kv_store_bytes_in",
+    "kv_store_bytes_out",
+    "kv_store_written_blocks",
+    "kv_store_dropped_blocks",
+)
 
 class LLMService:
     def __init__(self, cfg: LLMConfig, engine: Engine, fetcher: MediaFetcher):
@@ -74,6 +88,8 @@ class LLMService:
         self.loop = EngineLoop(engine, self.metrics, self._deliver, self._distrusted)
         self._wakeup = self.loop.wakeup
         self.rows = RowSupply(cfg, engine, fetcher, self.metrics, self._spawn, self._wakeup)
+        if engine.kv_tier is not None:
+            engine.kv_tier.on_latency = self.metrics.kv_store_latency.observe
 
     @property
     def healthy(self) -> bool:
@@ -138,6 +154,23 @@ class LLMService:
             "grammar_compiles": self.grammars.stats.compiles,
             "grammar_cache_hits": self.grammars.stats.hits,
             **self.engine.memory_info(),
+            **self._kv_tier_stats(),
+        }
+
+    def _kv_tier_stats(self) -> dict[str, Any]:
+        tier = self.engine.kv_tier
+        if tier is None:
+            return (
+                {"kv_store_enabled": 0, "kv_store_up": 0}
+                | dict.fromkeys(KV_TIER_COUNTERS, 0)
+                | {"kv_store_errors": {}}
+            )
+        stats = tier.stats
+        return {
+            "kv_store_enabled": 1,
+            "kv_store_up": int(tier.store.up),
+            **{key: getattr(stats, key.removeprefix("kv_store_")) for key in KV_TIER_COUNTERS},
+            "kv_store_errors": dict(stats.errors),
         }
 
     def pong(self) -> Pong:
@@ -192,12 +225,32 @@ class LLMService:
         cached, pin_id = self.engine.probe(hashes, ids, msg.spans, min(msg.ttl, 60.0))
         if pin_id:
             self._wakeup.set()  # the loop's timeout is the next pin's expiry
+        size = self.cfg.block_size
+        limit = (len(ids) - 1) // size  # full blocks, the last token always computed
+        if self.engine.kv_tier is not None and cached // size < limit:  # KV tier hook
+            wanted = hashes[cached // size : limit]
+            self._spawn(self._probe_store(reply, cached, pin_id, cached // size, wanted))
+            return
         reply.send_nowait(ProbeReply(cached, pin_id, self.engine.load, self.engine.max_model_len))
 
     def _release_pin(self, pin_id: int) -> None:
         """A probe's pin its request will not use (beyond the deferral bound: left to expire)."""
         if pin_id:
             self.loop.between_steps(lambda: self.engine.release_pin(pin_id))
+
+    async def _probe_store(
+        self, reply: Responder, cached: int, pin_id: int, first: int, hashes: list[BlockHash]
+    ) -> None:
+        """Answer a probe with the prefix the shared KV store adds past the local one."""
+        stored = 0
+        try:
+            assert self.engine.kv_tier is not None
+            n = await self.engine.kv_tier.stored(hashes)
+            stored = (first + n) * self.cfg.block_size if n else 0
+        finally:
+            reply.send_nowait(
+                ProbeReply(cached, pin_id, self.engine.load, self.engine.max_model_len, stored)
+            )
 
     # --- generate -------------------------------------------------------------------------
 
@@ -320,6 +373,8 @@ class LLMService:
         for seq in result.admitted:
             if (live := self._live.get(seq.seq_id)) is not None:
                 self.rows.admitted(live)
+        for kv_wanted in result.kv_fetches:  # KV tier hook: read a prefix from the shared store
+            self._spawn(self._read_kv(kv_wanted))
         for wanted in result.fetches:
             live = self._live.get(wanted.seq.seq_id)
             if live is not None:
@@ -336,6 +391,16 @@ class LLMService:
             live.failure = _unavailable()
             live.queue.put_nowait(StepOutput(live.seq.seq_id, None, "error", 0, 0, why))
 
+    async def _read_kv(self, wanted: KVWanted) -> None:
+        """Read ``wanted`` from the KV tier; the sequence goes on (with what came) in any case."""
+        blocks: list[StoredBlock] = []
+        try:
+            if self.engine.kv_tier is not None:
+                blocks = await self.engine.kv_tier.fetch(wanted.hashes)
+        finally:
+            self.engine.add_kv(wanted.seq, wanted.first, blocks)
+            self._wakeup.set()
+
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -346,6 +411,8 @@ class LLMService:
         self.loop.close()
         self.grammars.close()
         self.fetcher.close()
+        if self.engine.kv_tier is not None:
+            self.engine.kv_tier.close()
 
 
 def _unavailable() -> ErrorReply:

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mmcache import kv_store_server
 from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args, to_flags
 
 log = logging.getLogger("mmcache.serve")
@@ -32,6 +33,21 @@ GRACE_SECONDS = 10.0
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for cls in (ProcessorConfig, EncoderConfig, LLMConfig):
         add_arguments(parser, cls, skip=_ADDRESS_FIELDS)
+    parser.add_argument(
+        "--kv-store-server",
+        action="store_true",
+        default=os.environ.get("MMCACHE_KV_STORE_SERVER", "") in ("1", "true", "yes", "on"),
+        help="also run the shared KV tier's store (redis-server, on a unix socket) and point the LLM "
+        "stage at it; off by default: one replica's own pool already holds its prefixes "
+        "[env MMCACHE_KV_STORE_SERVER]",
+    )
+    parser.add_argument(
+        "--kv-store-server-mb",
+        type=int,
+        default=int(os.environ.get("MMCACHE_KV_STORE_SERVER_MB", kv_store_server.DEFAULT_MB)),
+        help="memory of that store, MiB (least recently used blocks go first) "
+        "[env MMCACHE_KV_STORE_SERVER_MB]",
+    )
 
 
 def default_model_dir() -> Path:
@@ -79,6 +95,12 @@ def serve(args: argparse.Namespace) -> int:
     rundir = Path(tempfile.mkdtemp(prefix="mmcache-"))
     enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
     threads = _thread_split(args)
+    children: dict[str, subprocess.Popen] = {}
+    store_url: dict[str, str] = {}
+    if args.kv_store_server and not args.kv_store:
+        socket_path = rundir / "kv.sock"
+        children["kvstore"] = kv_store_server.start(socket_path, args.kv_store_server_mb, die_with_parent)
+        store_url["kv_store"] = f"unix://{socket_path}"
     processor = from_args(
         ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, **threads["processor"]
     )
@@ -86,10 +108,11 @@ def serve(args: argparse.Namespace) -> int:
         "encoder": from_args(
             EncoderConfig, args, model=model, bind=enc_addr, metrics_port=0, **threads["encoder"]
         ),
-        "llm": from_args(LLMConfig, args, model=model, bind=llm_addr, metrics_port=0, **threads["llm"]),
+        "llm": from_args(
+            LLMConfig, args, model=model, bind=llm_addr, metrics_port=0, **threads["llm"], **store_url
+        ),
         "processor": processor,
     }
-    children: dict[str, subprocess.Popen] = {}
     stop = {"signal": 0}
 
     def on_signal(signum, _frame) -> None:
@@ -110,10 +133,15 @@ def serve(args: argparse.Namespace) -> int:
             {n: p.pid for n, p in children.items()},
         )
         while not stop["signal"]:
-            for name, proc in children.items():
-                if proc.poll() is not None:
-                    log.error("%s exited with code %s; stopping", name, proc.returncode)
-                    return 1
+            for name, proc in list(children.items()):
+                if proc.poll() is None:
+                    continue
+                if name == "kvstore":  # NOTE: the LLM stage computes without its store; serving goes on
+                    log.error("the KV store exited with code %s; serving without it", proc.returncode)
+                    del children[name]
+                    continue
+                log.error("%s exited with code %s; stopping", name, proc.returncode)
+                return 1
             time.sleep(0.2)
         return 0
     finally:
@@ -123,7 +151,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _stop_all(children: dict[str, subprocess.Popen]) -> None:
     """The processor first (it finishes or ends its streams), then the stages it talks to."""
-    order = [["processor"], ["encoder", "llm"]]
+    order = [["processor"], ["encoder", "llm"], ["kvstore"]]
     for names in order:
         procs = {n: children[n] for n in names if n in children}
         for proc in procs.values():

@@ -144,7 +144,11 @@ class Dispatcher:
             raise APIError(504, "no LLM replica answered the probe in time", "stage_timeout") from exc
         sampling = sampling_params(prepared.req, len(prepared.token_ids), route.probe.max_model_len, index)
         placed, needed, found = await self._guard(
-            self._encoded(prepared, lambda p: p.end > route.probe.cached_tokens)
+            # NOTE: chunks inside a prefix the shared KV store holds are not encoded either; should
+            # the store lose them before the LLM reads them, the LLM asks for them (a repair).
+            self._encoded(
+                prepared, lambda p: p.end > max(route.probe.cached_tokens, route.probe.stored_tokens)
+            )
         )
         # NOTE: a chunk the prompt holds twice, once inside the prefix, is counted by its needed place.
         skipped: dict[ChunkKey, ChunkFate] = {p.chunk.key: "prefix_skipped" for p in placed}

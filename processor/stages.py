@@ -136,7 +136,12 @@ class StageClients:
         size = max(probe.block_size, 1)
         best, reply = max(
             live,
-            key=lambda rr: (rr[1].cached_tokens // size, -rr[1].load, weight(rr[0].name, affinity)),
+            key=lambda rr: (
+                rr[1].cached_tokens // size,
+                rr[1].stored_tokens // size,  # with the shared KV tier: what a replica can read
+                -rr[1].load,
+                weight(rr[0].name, affinity),
+            ),
         )
         for other, other_reply in live:
             if other is not best and other_reply.probe_id:

@@ -180,6 +180,13 @@ class LLMConfig:
         "largest decode batch replayed from a captured CUDA graph (CUDA with the flashinfer backend "
         "only; larger batches run eagerly); 0: no CUDA graphs",
     )
+    kv_store: str = opt(
+        "",
+        "shared KV tier: redis:// URL of a Redis/Valkey server every LLM replica shares (empty = off); "
+        "full blocks' KV is written there and read on a local prefix miss",
+    )
+    kv_store_timeout: float = opt(0.5, "seconds one read or write of the shared KV store may take")
+    kv_store_queue: int = opt(256, "KV blocks waiting to be written to the store; more are dropped (counted)")
     metrics_port: int = opt(0, METRICS_PORT_HELP)
     log_format: str = opt("text", LOG_FORMAT_HELP)
 
@@ -195,7 +202,13 @@ class LLMConfig:
                 f"--cuda-graph-max-batch must be 0 (off) to {MAX_CUDA_GRAPH_BATCH}, "
                 f"got {self.cuda_graph_max_batch}"
             )
+        if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"--kv-store must be a redis:// (or rediss://, unix://) URL, got {self.kv_store!r}"
+            )
         for name in (
+            "kv_store_timeout",
+            "kv_store_queue",
             "max_num_seqs",
             "max_num_batched_tokens",
             "block_size",
@@ -213,6 +226,11 @@ class LLMConfig:
     @property
     def prefix_cache(self) -> bool:
         return not (self.no_cache or self.no_prefix_cache)
+
+    @property
+    def kv_tier(self) -> bool:
+        """The shared KV tier is on: a store is given and the prefix cache it extends is on."""
+        return bool(self.kv_store) and self.prefix_cache
 
 
 @dataclass(frozen=True, slots=True)

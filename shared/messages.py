@@ -212,6 +212,9 @@ class ProbeReply:
     probe_id: int  # 0 when nothing is pinned
     load: int  # sequences waiting or running
     max_model_len: int
+    # the prefix (tokens) the replica's pool and the shared KV store hold together (0: no more than
+    # cached_tokens); a hint: the blocks are read, and checked, only when the request comes
+    stored_tokens: int = 0
 
 
 @message

@@ -19,6 +19,7 @@ import torch
 # 3: SamplingParams gained logprobs and prompt_logprobs; GenerateChunk carries them (TokenLogprobs).
 # 4: Pong gained healthy (a replica whose engine failed says so, and discovery drops it);
 #    GenerateChunk is GenerateReply ("chunk" means a media chunk only).
+#    ProbeReply gained stored_tokens (the shared KV tier).
 PROTOCOL_VERSION = 4
 
 _REGISTRY: dict[str, type] = {}

@@ -209,6 +209,8 @@ def _non_default(cls: type) -> object:
             values[f.name] = "json"
         elif f.name == "attention_backend":
             values[f.name] = "sdpa"
+        elif f.name == "kv_store":
+            values[f.name] = "redis://kv store.example:6379/0"
         else:
             values[f.name] = f"/some/{f.name} with spaces"
     return cls(**values)
@@ -249,3 +251,11 @@ def test_add_arguments_skips_fields_and_existing_flags():
     assert ns.model == "given"
     assert not hasattr(ns, "bind")
     assert ns.block_size is None  # unset flags stay None so env and defaults apply
+
+
+def test_kv_store_must_be_a_redis_url():
+    assert LLMConfig(kv_store="redis://kvstore:6379/0").kv_tier
+    assert LLMConfig(kv_store="unix:///run/kv.sock").kv_tier
+    assert not LLMConfig(kv_store="redis://kvstore:6379/0", no_prefix_cache=True).kv_tier
+    with pytest.raises(ValueError, match="--kv-store must be a redis://"):
+        LLMConfig(kv_store="kvstore:6379")
