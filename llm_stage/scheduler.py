@@ -114,7 +114,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.compiling)
+        return len(self.waiting) + len(self.running) + len(self.compiling) + len(self.kv_waiting)
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:

@@ -145,10 +145,37 @@ async def test_n3_counts_each_choices_chunks_once(tiny_model, tmp_path):
         assert tokens_warm[0] == tokens_warm[1] == tokens_warm[2]
 
 
+async def images_owned_by_each(model: Path, dispatcher: Dispatcher, each: int) -> list[bytes]:
+    """``each`` images per encoder replica, by rendezvous over this run's replica ids (they come
+    from per-test addresses): the state the test checks is made, not hoped for. The chunk keys
+    come from a throwaway pipeline, so the real one's processor cache stays cold."""
+    cfg = ProcessorConfig(model=str(model))
+    probe = Pipeline(
+        cfg,
+        MediaSource([], cfg.max_media_bytes, None),
+        Preprocessor(cfg.model, 2.0, 64),
+        PromptBuilder(ModelSpec.load(model)),
+    )
+    await dispatcher.stages.wait_started()
+    owned: dict[str, list[bytes]] = {}
+    try:
+        for seed in range(21, 121):
+            image = image_bytes(224, 224, seed=seed)
+            prepared = await probe.prepare(parse_chat_request(body([image], "probe")))
+            probe.done(prepared)
+            owner = dispatcher.stages.encoder_for(prepared.spans[0].chunk_keys[0])
+            if len(mine := owned.setdefault(owner, [])) < each:
+                mine.append(image)
+            if len(owned) > 1 and all(len(v) == each for v in owned.values()):
+                return [img for v in owned.values() for img in v]
+    finally:
+        probe.close()
+    raise AssertionError(f"no {each} images per encoder among 100 seeds: {owned.keys()}")
+
+
 async def test_n1_counts_each_chunk_once_when_an_encoder_round_is_sent_again(tiny_model, tmp_path):
-    # four images: owned by both encoders (rendezvous on their addresses)
-    images = [image_bytes(224, 224, seed=s) for s in (21, 22, 23, 24)]
     async with stack(tiny_model, tmp_path, 2) as (encoders, pipeline, dispatcher, llm):
+        images = await images_owned_by_each(tiny_model, dispatcher, 2)  # four: two per encoder
         encoders[1].fail_lookups = 1
         _, report = await answer(pipeline, dispatcher, body(images, "cold"))
         assert dispatcher.num_encoder_retries == 1  # the round was sent again
