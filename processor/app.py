@@ -8,25 +8,30 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 import zmq
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from processor.answers import Answers
+from processor.batch_jobs import BatchJobs
 from processor.body import load_body
 from processor.choices import choices
 from processor.completions import CompletionsAnswer, parse_completions
 from processor.cors import setup_cors
 from processor.dispatch import Dispatcher
 from processor.errors import APIError, bad_request, error_body, error_middleware
+from processor.files import FileStore
 from processor.generation import Engine
 from processor.http_fetch import HttpFetcher, parse_networks
 from processor.media_source import MediaSource
 from processor.metrics import ProcessorMetrics
 from processor.pipeline import Pipeline
 from processor.preprocess import Preprocessor
+from processor.priority import Interactive
 from processor.prompt import PromptBuilder
 from processor.request import parse_chat_request
 from processor.request_log import RECORD, RequestRecord, request_middleware
@@ -51,6 +56,10 @@ SLOTS = web.AppKey("slots", asyncio.Semaphore)
 METRICS = web.AppKey("metrics", ProcessorMetrics)
 ENGINE = web.AppKey("engine", Engine)
 STORE = web.AppKey("response_store", ResponseStore)
+INTERACTIVE = web.AppKey("interactive", Interactive)
+FILES = web.AppKey("files", FileStore)
+BATCHES = web.AppKey("batches", BatchJobs)
+UPLOAD_CHUNK = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM
 
@@ -92,7 +101,21 @@ def init(cfg: ProcessorConfig) -> web.Application:
         app[PIPELINE] = Pipeline(cfg, source, pre, prompts)
         app[DISPATCHER] = Dispatcher(stages, cfg.stage_timeout, cfg.max_failovers)
         app[ENGINE] = Engine(app[PIPELINE], app[DISPATCHER], app[MODEL_NAME])
+        if cfg.batch_dir:
+            answers = Answers(app[ENGINE], app[STORE]).by_path()
+            jobs = BatchJobs(
+                Path(cfg.batch_dir),
+                app[FILES],
+                answers,
+                app[INTERACTIVE],
+                cfg.batch_concurrency,
+                cfg.max_batch_lines,
+            )
+            app[BATCHES] = jobs
+            jobs.resume()
         yield
+        if BATCHES in app:
+            await app[BATCHES].close()
         app[PIPELINE].close()
         await http.close()
         stages.close()
@@ -104,6 +127,16 @@ def init(cfg: ProcessorConfig) -> web.Application:
     app.router.add_post("/v1/completions", limited(_completions))
     app.router.add_post("/v1/responses", limited(_responses))
     app.router.add_post("/tokenize", _tokenize)
+    app[INTERACTIVE] = Interactive()
+    if cfg.batch_dir:
+        app[FILES] = FileStore(Path(cfg.batch_dir))
+    app.router.add_post("/v1/files", _upload)
+    app.router.add_get("/v1/files/{file_id}", _file)
+    app.router.add_get("/v1/files/{file_id}/content", _file_content)
+    app.router.add_post("/v1/batches", _create_batch)
+    app.router.add_get("/v1/batches", _list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", _batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", _cancel_batch)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)  # ids may contain "/"
@@ -176,11 +209,14 @@ def limited(handler: Handler) -> Handler:
         if slots.locked():
             raise APIError(503, "too many requests in progress, retry later", "overloaded")
         running = request.app[METRICS].running
+        interactive = request.app[INTERACTIVE]
         async with slots:
             running.inc()
+            interactive.enter()
             try:
                 return await handler(request)
             finally:
+                interactive.leave()
                 running.dec()
 
     return limited_handler
@@ -540,6 +576,83 @@ async def _max_model_len(app: web.Application) -> int:
     if not lens:
         raise APIError(503, "no LLM replica answers", "stage_unavailable")
     return min(lens)
+
+
+def _files(request: web.Request) -> FileStore:
+    if FILES not in request.app:
+        raise APIError(
+            404, "batch jobs are off: start the processor with --batch-dir DIR", "batches_disabled"
+        )
+    return request.app[FILES]
+
+
+def _jobs(request: web.Request) -> BatchJobs:
+    _files(request)
+    return request.app[BATCHES]
+
+
+async def _upload(request: web.Request) -> web.Response:
+    """``multipart/form-data`` with ``purpose`` (batch) and ``file``, streamed to disk (bounded)."""
+    files = _files(request)
+    limit = request.app[CONFIG].max_request_bytes
+    if not request.content_type.startswith("multipart/"):
+        raise bad_request("send the file as multipart/form-data (purpose, file)", "invalid_content_type")
+    reader = await request.multipart()
+    purpose = filename = None
+    file_id = files.new_id()
+    part_path = files.partial(file_id)
+    try:
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise bad_request("nested multipart bodies are not supported", "invalid_content_type")
+            if part.name == "purpose":
+                purpose = (await part.read(decode=True)).decode()
+            elif part.name == "file":
+                filename = part.filename or "upload.jsonl"
+                size = 0
+                with open(part_path, "wb") as out:
+                    while chunk := await part.read_chunk(UPLOAD_CHUNK):
+                        size += len(chunk)
+                        if size > limit:
+                            raise APIError(
+                                413, f"file is larger than the limit of {limit} bytes", "request_too_large"
+                            )
+                        out.write(chunk)
+        if purpose != "batch":
+            raise bad_request("'purpose' must be batch", "invalid_purpose", "purpose")
+        if filename is None:
+            raise bad_request("'file' is required", "missing_file", "file")
+        return web.json_response(files.commit(file_id, filename, purpose))
+    finally:
+        part_path.unlink(missing_ok=True)
+
+
+async def _file(request: web.Request) -> web.Response:
+    return web.json_response(_files(request).info(request.match_info["file_id"]))
+
+
+async def _file_content(request: web.Request) -> web.FileResponse:
+    path = _files(request).path(request.match_info["file_id"])
+    return web.FileResponse(path, headers={"Content-Type": "application/jsonl"})
+
+
+async def _create_batch(request: web.Request) -> web.Response:
+    jobs = _jobs(request)
+    body, _ = load_body(await request.read())
+    return web.json_response(jobs.create(body))
+
+
+async def _list_batches(request: web.Request) -> web.Response:
+    data = _jobs(request).recent()
+    return web.json_response({"object": "list", "data": data, "has_more": False})
+
+
+async def _batch(request: web.Request) -> web.Response:
+    return web.json_response(_jobs(request).get(request.match_info["batch_id"]))
+
+
+async def _cancel_batch(request: web.Request) -> web.Response:
+    return web.json_response(_jobs(request).cancel(request.match_info["batch_id"]))
 
 
 def _unknown_model(name: str, served: str, param: str | None) -> APIError:
