@@ -492,8 +492,8 @@ async def _stream_response(request: web.Request, render: ResponseRender) -> web.
             item = await anext(generation, None)
         if live:
             render.streamed = text + choice.detok.flush()
-        items, _ = render.output()
         final = render.final(request.app[STORE])
+        items = final["output"]
         for index, out in enumerate(items):
             if out["type"] == "message":
                 body = out["content"][0]["text"]

@@ -305,6 +305,7 @@ class ResponseRender:
         self.message_id = "msg_" + uuid.uuid4().hex
         self._seq = 0
         self.streamed: str | None = None  # the text, when a stream has taken it as it came
+        self._output: tuple[list[dict], dict] | None = None
 
     # --- the Response object ----------------------------------------------------------
 
@@ -335,8 +336,9 @@ class ResponseRender:
             "tools": [_echo_tool(t) for t in body.get("tools") or []],
             "truncation": "disabled",
             "metadata": body.get("metadata") or {},
-            "user": body.get("user"),
         }
+        if body.get("user") is not None:
+            out["user"] = body["user"]
         if usage:
             out["usage"] = self.usage()
         return out
@@ -362,7 +364,13 @@ class ResponseRender:
         return "incomplete" if self.completion.choices[0].finish_reason == "length" else "completed"
 
     def output(self) -> tuple[list[dict], dict]:
-        """The output items, and the answer's assistant turn in chat form (what the store keeps)."""
+        """The output items, and the answer's assistant turn in chat form (what the store keeps);
+        call once the answer has ended.
+
+        NOTE: made once: the choice's text is taken from its detokenizer as it is read.
+        """
+        if self._output is not None:
+            return self._output
         message = self.completion.choices[0].message()
         if self.streamed is not None:
             message["content"] = self.streamed
@@ -376,7 +384,8 @@ class ResponseRender:
         turn: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             turn["tool_calls"] = calls
-        return items, turn
+        self._output = items, turn
+        return self._output
 
     def message_item(self, text: str | None, status: str) -> dict:
         content = [] if text is None else [_text_part(text)]
