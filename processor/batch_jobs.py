@@ -122,9 +122,13 @@ class BatchJobs:
         }
         self._save(batch)
         self._start(batch_id)
-        return batch
+        return public(batch)
 
     def get(self, batch_id: str) -> dict:
+        """The Batch object as the API shows it."""
+        return public(self._load(batch_id))
+
+    def _load(self, batch_id: str) -> dict:
         path = self._path(batch_id, ".json")
         if not _ID.match(batch_id) or not path.exists():
             raise APIError(404, f"no batch {batch_id!r}", "batch_not_found", "batch_id")
@@ -134,12 +138,12 @@ class BatchJobs:
         return batch
 
     def cancel(self, batch_id: str) -> dict:
-        batch = self.get(batch_id)
+        batch = self._load(batch_id)
         if batch["status"] in ACTIVE:
             self._path(batch_id, ".cancel").touch()
             batch["status"] = "cancelling"
             batch["cancelling_at"] = batch["cancelling_at"] or int(time.time())
-        return batch
+        return public(batch)
 
     def recent(self, limit: int = 20) -> list[dict]:
         found = sorted(self.dir.glob("batch_*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -178,7 +182,7 @@ class BatchJobs:
             raise
         except Exception as exc:
             log.exception("batch %s failed", batch_id)
-            batch = self.get(batch_id)
+            batch = self._load(batch_id)
             batch.update(status="failed", failed_at=int(time.time()))
             batch["errors"] = {"object": "list", "data": [{"code": "internal_error", "message": str(exc)}]}
             self._save(batch)
@@ -186,7 +190,7 @@ class BatchJobs:
             lock.close()
 
     async def _run_locked(self, batch_id: str) -> None:
-        batch = self.get(batch_id)
+        batch = self._load(batch_id)
         if batch["status"] not in ACTIVE:
             return
         lines = self._check_lines(self.files.path(batch["input_file_id"]).read_bytes(), batch["endpoint"])
@@ -330,6 +334,11 @@ class BatchJobs:
 
     def _save(self, batch: dict) -> None:
         write_atomic(self._path(batch["id"], ".json"), orjson.dumps(batch))
+
+
+def public(batch: dict) -> dict:
+    """A Batch object without its unset fields (OpenAI's schema has no null for them)."""
+    return {k: v for k, v in batch.items() if v is not None}
 
 
 def _read_done(path: Path) -> dict[int, dict]:
