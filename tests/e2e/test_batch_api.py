@@ -97,11 +97,9 @@ def upload(proc: Processor, rows: list[dict]) -> dict:
     return out
 
 
-def start(proc: Processor, rows: list[dict]) -> dict:
+def start(proc: Processor, rows: list[dict], endpoint: str = "/v1/chat/completions") -> dict:
     file = upload(proc, rows)
-    batch = proc.json(
-        "POST", "/v1/batches", {"input_file_id": file["id"], "endpoint": "/v1/chat/completions"}
-    )
+    batch = proc.json("POST", "/v1/batches", {"input_file_id": file["id"], "endpoint": endpoint})
     validate(batch, "Batch")
     return batch
 
@@ -225,8 +223,25 @@ def test_the_cli_runs_a_file_with_a_progress_bar(tiny_model, server, stages, tmp
         assert "12/12" in run.stderr  # tqdm's bar
         out = [json.loads(line) for line in (tmp_path / "in.output.jsonl").read_text().splitlines()]
         assert [o["custom_id"] for o in out] == [r["custom_id"] for r in rows]
+        # Completions and Responses lines answer as the same requests sent live.
+        for endpoint, extra in (
+            ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}),
+            ("/v1/responses", {"input": "Once upon a time", "max_output_tokens": 5, "temperature": 0}),
+        ):
+            body = {"model": server.model.name, **extra}
+            job = start(proc, [{"custom_id": "x", "method": "POST", "url": endpoint, "body": body}], endpoint)
+            job = wait(proc, job["id"], finished)
+            got = output(proc, job["output_file_id"])["x"]["response"]["body"]
+            status, want = server.post(endpoint, body)
+            assert status == 200
+            if endpoint == "/v1/completions":
+                assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            else:
+                validate(got, "Response")
+                assert got["output"][0]["content"][0]["text"] == want["output"][0]["content"][0]["text"]
         # Cancelling a finished job changes nothing; unknown ids are 404s; bad files are 400s.
-        batch_id = proc.json("GET", "/v1/batches")["data"][0]["id"]
+        listed = proc.json("GET", "/v1/batches")["data"]
+        batch_id = next(b["id"] for b in listed if b["endpoint"] == "/v1/chat/completions")
         assert proc.json("POST", f"/v1/batches/{batch_id}/cancel")["status"] == "completed"
         assert proc.call("GET", "/v1/batches/batch_" + "0" * 32)[0] == 404
         assert proc.call("GET", "/v1/files/file-" + "0" * 32 + "/content")[0] == 404
