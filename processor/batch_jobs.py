@@ -1,8 +1,9 @@
 """Batch jobs (OpenAI's Batch API): a JSONL file of requests in, a JSONL file of answers out.
 
 Lines run through the same answers as the HTTP endpoints (:mod:`processor.answers`), at most
-``concurrency`` at once, each started only while no interactive request is in progress
-(:mod:`processor.priority`). A line that fails with a 5xx is tried again (``RETRIES`` times).
+``concurrency`` at once, only while no interactive request is in progress: one that arrives
+preempts the lines running (:mod:`processor.priority`). A line that fails with a 5xx is tried
+again (``RETRIES`` times).
 
 State lives in ``<batch dir>/batches``: ``<id>.json`` (the Batch object), ``<id>.done.jsonl``
 (each finished line, appended and synced as it ends), ``<id>.cancel`` (a cancel asked for) and
@@ -39,6 +40,7 @@ _ID = re.compile(r"^batch_[0-9a-f]{32}$")
 RETRIES = 2  # more tries for a line that failed with a 5xx (a stage gone, a timeout)
 RETRY_PAUSE = 1.0  # seconds before a retry, times the try's number
 STATE_EVERY = 0.25  # seconds between writes of a running job's Batch object
+MAX_PREEMPTIONS = 3  # times a batch line may be aborted for interactive requests before it runs through
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_METADATA = 16
 
@@ -61,6 +63,7 @@ class BatchJobs:
         self.concurrency = concurrency
         self.max_lines = max_lines
         self._tasks: dict[str, asyncio.Task] = {}
+        self.preempted = 0  # batch lines aborted for an interactive request (and run again)
 
     # --- the API ------------------------------------------------------------------------
 
@@ -212,9 +215,8 @@ class BatchJobs:
             async def worker() -> None:
                 nonlocal last_save
                 while not pending.empty() and not cancel.exists():
-                    await self.interactive.idle()  # NOTE: interactive requests first
                     i = pending.get_nowait()
-                    record = await self._line(answer, lines[i], i)
+                    record = await self._yielding(answer, lines[i], i)
                     out.write(orjson.dumps(record) + b"\n")
                     out.flush()
                     os.fsync(out.fileno())
@@ -227,6 +229,27 @@ class BatchJobs:
             await asyncio.gather(*(worker() for _ in range(min(self.concurrency, max(1, pending.qsize())))))
         self._save(batch)
         self._finish(batch, lines, done, cancelled=cancel.exists())
+
+    async def _yielding(self, answer: Answer, line: bytes, index: int) -> dict:
+        """One line run when no interactive request is, and aborted (to run again once none is)
+        when one arrives, at most ``MAX_PREEMPTIONS`` times; then it runs to its end regardless,
+        so a long line still finishes under steady interactive traffic."""
+        for _ in range(MAX_PREEMPTIONS):
+            await self.interactive.idle()
+            run = asyncio.ensure_future(self._line(answer, line, index))
+            arrived = asyncio.ensure_future(self.interactive.busy())
+            try:
+                await asyncio.wait((run, arrived), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrived.cancel()
+                if not run.done():
+                    run.cancel()  # NOTE: closing its generation aborts it at the stages
+                await asyncio.gather(run, arrived, return_exceptions=True)
+            if not run.cancelled():
+                return run.result()
+            self.preempted += 1
+        await self.interactive.idle()
+        return await self._line(answer, line, index)
 
     async def _line(self, answer: Answer, line: bytes, index: int) -> dict:
         """One line run: ``{"i", "ok", "out"}`` (``out``: the output or error file's line)."""

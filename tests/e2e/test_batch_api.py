@@ -149,8 +149,7 @@ def test_two_hundred_image_lines_answer_as_live_while_interactive_ttft_holds(
     tiny_model, server, stages, tmp_path
 ) -> None:
     rows = lines(server.model.name, "batch-" + uuid.uuid4().hex)
-    # NOTE: one line at a time: a line already running is not held back (the LLM stage knows no
-    # priority), so the concurrency bounds what an interactive request can find in its way.
+    # NOTE: one line at a time; a line running when an interactive request arrives is preempted.
     with Processor(stages, tiny_model, tmp_path / "state", concurrency=1) as proc:
         ttft(proc.port, server.model.name, -1)  # warm-up
         idle = [ttft(proc.port, server.model.name, i) for i in range(TTFT_TRIES)]
