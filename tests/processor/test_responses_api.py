@@ -83,3 +83,10 @@ def test_unsupported_is_a_400_naming_the_field(body, param) -> None:
     with pytest.raises(APIError) as err:
         parse(**body)
     assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_an_image_by_file_id_is_a_media_uuid_and_store_false_is_kept() -> None:
+    part = {"type": "input_image", "file_id": "img-1"}
+    req = parse(input=[{"role": "user", "content": [part]}], store=False)
+    assert (req.chat.media[0].uuid, req.chat.media[0].url) == ("img-1", None)
+    assert req.store is False
