@@ -12,8 +12,8 @@ from processor.responses_api import parse_responses
 FN = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 
 
-def parse(store: ResponseStore | None = None, **body):
-    return parse_responses({"model": "m", **body}, {}, store or ResponseStore(8, 1 << 20, 60))
+def parse(kept: ResponseStore | None = None, **body):
+    return parse_responses({"model": "m", **body}, {}, kept or ResponseStore(8, 1 << 20, 60))
 
 
 def test_input_items_become_chat_turns() -> None:
