@@ -33,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     ping.add_argument("address", help="e.g. tcp://127.0.0.1:5556")
     ping.add_argument("--timeout", type=float, default=5.0)
 
+    from mmcache.batch_client import add_arguments as add_batch_arguments
+
+    add_batch_arguments(
+        sub.add_parser("batch", help="run a JSONL file as a batch job on a server, with progress")
+    )
+
     bench = sub.add_parser(
         "bench", help="load a deployment (bench URL), or run the built-in benchmarks and print their ratios"
     )
@@ -85,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
         from mmcache.loadgen.cli import main as load
 
         sys.exit(load(args))
+    elif args.command == "batch":
+        from mmcache.batch_client import run as run_batch
+
+        sys.exit(run_batch(args))
     elif args.command == "ping":
         from mmcache.ping import ping
 

@@ -21,7 +21,8 @@ from processor.errors import APIError
 
 log = logging.getLogger("mmcache.request")
 
-CHAT_PATH = "/v1/chat/completions"
+# The endpoints that generate: each request is timed, logged and counted in the metrics.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 CLIENT_CLOSED = 499  # nginx's status for a client that left before the response was complete
 
 
@@ -69,7 +70,8 @@ RECORD = web.RequestKey("record", RequestRecord)
 
 
 def request_middleware(on_done: Callable[[RequestRecord], None]):
-    """Time each chat completion, note how it ended, log it and pass it to ``on_done``.
+    """Time each generating request (chat, completions, responses), note how it ended, log it
+    and pass it to ``on_done``.
 
     NOTE: sits inside the error middleware, so it sees an :class:`APIError` before it becomes a
     JSON response (its status and code) and a client that left (the handler is cancelled).
@@ -77,7 +79,7 @@ def request_middleware(on_done: Callable[[RequestRecord], None]):
 
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        if request.path != CHAT_PATH:
+        if request.path not in GENERATION_PATHS:
             return await handler(request)
         record = request[RECORD] = RequestRecord()
         try:

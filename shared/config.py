@@ -267,6 +267,12 @@ class ProcessorConfig:
     )
     no_cache: bool = opt(False, "disable every cache tier (for comparisons)")
     log_format: str = opt("text", LOG_FORMAT_HELP)
+    response_store_entries: int = opt(1024, "most responses kept for previous_response_id (0: none)")
+    response_store_mb: float = opt(256.0, "most MiB the stored responses may hold (their images included)")
+    response_store_ttl: float = opt(3600.0, "seconds a stored response is kept")
+    batch_dir: str = opt("", "directory of batch files and jobs (kept across restarts); empty: batches off")
+    batch_concurrency: int = opt(4, "batch lines in progress at once (each processor process)")
+    max_batch_lines: int = opt(50_000, "most lines in one batch input file")
 
     def __post_init__(self) -> None:
         _observability(0, self.log_format)
@@ -283,6 +289,9 @@ class ProcessorConfig:
             "stage_timeout",
             "max_concurrent_requests",
             "workers",
+            "response_store_ttl",
+            "batch_concurrency",
+            "max_batch_lines",
         ):
             _positive(name, getattr(self, name))
         if self.workers > MAX_WORKERS:
@@ -292,6 +301,8 @@ class ProcessorConfig:
         _positive("max_media_redirects", self.max_media_redirects, allow_zero=True)
         _positive("max_failovers", self.max_failovers, allow_zero=True)
         _positive("torch_threads", self.torch_threads, allow_zero=True)
+        _positive("response_store_entries", self.response_store_entries, allow_zero=True)
+        _positive("response_store_mb", self.response_store_mb, allow_zero=True)
         if not split_list(self.encoder) or not split_list(self.llm):
             raise ValueError("--encoder and --llm need at least one address each")
 
@@ -304,6 +315,10 @@ class ProcessorConfig:
             return int(self.processor_cache_gb * (1 << 30))
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(ram // 10, 8 << 30)
+
+    @property
+    def response_store_bytes(self) -> int:
+        return int(self.response_store_mb * (1 << 20))
 
     @property
     def allowed_dirs(self) -> list[str]:

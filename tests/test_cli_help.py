@@ -7,7 +7,9 @@ import pytest
 from mmcache.cli import _parser
 
 
-@pytest.mark.parametrize("command", ["serve", "processor", "encoder", "llm", "bench", "make-tiny-model"])
+@pytest.mark.parametrize(
+    "command", ["serve", "processor", "encoder", "llm", "bench", "batch", "make-tiny-model"]
+)
 def test_help_renders(command: str, capsys):
     with pytest.raises(SystemExit) as exit_:
         _parser().parse_args([command, "--help"])
