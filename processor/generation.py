@@ -17,7 +17,7 @@ from processor.dispatch import Dispatcher
 from processor.pipeline import Pipeline, Prepared
 from processor.request import ChatRequest
 from processor.responses import Completion
-from shared.messages import GenerateChunk
+from shared.messages import GenerateReply
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class Engine:
     def done(self, prepared: Prepared) -> None:
         self.pipeline.done(prepared)
 
-    def generation(self, completion: Completion) -> AsyncGenerator[tuple[int, GenerateChunk], None]:
+    def generation(self, completion: Completion) -> AsyncGenerator[tuple[int, GenerateReply], None]:
         """(choice index, reply) as they come; closing it aborts what is still generating."""
         return choices(
             self.dispatcher,
