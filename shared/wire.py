@@ -16,7 +16,7 @@ import torch
 
 # 2: FetchReply rows are (tokens, feature sets, hidden), every feature set of a token together;
 #    SamplingParams gained penalties, logit_bias, min_tokens and grammar.
-# 3: SamplingParams gained logprobs and prompt_logprobs; GenerateReply carries them (TokenLogprobs).
+# 3: SamplingParams gained logprobs and prompt_logprobs; GenerateChunk carries them (TokenLogprobs).
 # 4: Pong gained healthy (a replica whose engine failed says so, and discovery drops it);
 #    GenerateChunk is GenerateReply ("chunk" means a media chunk only).
 #    ProbeReply gained stored_tokens (the shared KV tier).

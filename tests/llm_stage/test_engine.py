@@ -53,10 +53,14 @@ class Prompt:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def env(request, tiny_models) -> Env:
-    path = tiny_models[request.param]
+    return build_env(request.param, tiny_models)
+
+
+def build_env(arch: str, tiny_models) -> Env:
+    path = tiny_models[arch]
     spec = ModelSpec.load(path)
     return Env(
-        request.param,
+        arch,
         path,
         spec,
         AutoProcessor.from_pretrained(path),
