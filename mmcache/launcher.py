@@ -61,10 +61,14 @@ def ensure_default_model() -> Path:
 
 def _placement(args: argparse.Namespace) -> Placement:
     """Threads per stage (:mod:`mmcache.placement`): the busy stages get the cores, unless
-    ``--torch-threads`` (or MMCACHE_TORCH_THREADS) or a stage's own ``--<stage>-threads`` says otherwise."""
+    ``--torch-threads`` (or MMCACHE_TORCH_THREADS, or OMP_NUM_THREADS) or a stage's own
+    ``--<stage>-threads`` says otherwise."""
     every = args.torch_threads
-    if every is None and "MMCACHE_TORCH_THREADS" in os.environ:
-        every = int(os.environ["MMCACHE_TORCH_THREADS"])
+    # NOTE: an environment that sets OMP_NUM_THREADS (the test harness: 1) has said how many
+    # threads each process takes; the placement would otherwise override it with set_num_threads.
+    for name in ("MMCACHE_TORCH_THREADS", "OMP_NUM_THREADS"):
+        if every is None and os.environ.get(name, "").strip():
+            every = int(os.environ[name])
     per_stage = {stage: getattr(args, f"{stage}_threads", None) for stage in STAGES}
     for stage, n in per_stage.items():
         if n is not None and n < 1:
