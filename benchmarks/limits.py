@@ -11,7 +11,8 @@
 
 The engine runs in this process with the thread count of this process (``--threads``; default:
 every core, as the LLM stage gets by default). ``MMCACHE_BENCH_MODEL`` points at a ``mid``
-checkpoint to use; otherwise one is generated (~20 s) and kept. ``--profile DIR`` also writes a
+checkpoint to use; otherwise one is generated (~20 s) and kept. ``MMCACHE_BENCH_RESULTS=FILE`` writes
+the figures as JSON with the commit, date, machine and load average. ``--profile DIR`` also writes a
 torch profiler table of one decode step and one prefill there.
 """
 
@@ -197,8 +198,41 @@ def run(
     ]
     out = os.environ.get("MMCACHE_BENCH_RESULTS")
     if out:
-        Path(out).write_text(json.dumps({"figures": figures, "load": os.getloadavg()}, indent=2))
+        record = provenance() | {"dtype": dtype, "checkpoint": str(path), "figures": figures}
+        Path(out).write_text(json.dumps(record, indent=2) + "\n")
     return results
+
+
+def provenance() -> dict[str, Any]:
+    """Commit, date, machine and load of a run, for a results file."""
+    import platform
+    import subprocess
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    cpu = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
+        ]
+        cpu = names[0] if names else cpu
+    return {
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpu": cpu,
+            "cores": len(os.sched_getaffinity(0)),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "load_average": os.getloadavg(),
+    }
 
 
 def main() -> None:
