@@ -165,21 +165,23 @@ def spread(xs: Sequence[float]) -> str:
 # --- the checkpoint ------------------------------------------------------------------------------------
 
 
-def model_dir(arch: str = "qwen2-vl") -> Path:
-    """The tiny checkpoint to benchmark: ``$MMCACHE_BENCH_MODEL``, else one generated offline and
-    kept in a cache directory keyed by the generator's source (so a changed generator regenerates)."""
+def model_dir(arch: str = "qwen2-vl", preset: str = "tiny") -> Path:
+    """The checkpoint to benchmark: ``$MMCACHE_BENCH_MODEL``, else one of ``preset``'s size generated
+    offline and kept in a cache directory keyed by the generator's source (so a changed generator
+    regenerates)."""
     given = os.environ.get("MMCACHE_BENCH_MODEL")
     if given:
         return Path(given)
-    from mmcache import tiny_model
+    from mmcache import tiny_families, tiny_model, tiny_presets
 
-    source = Path(tiny_model.__file__).read_bytes()
+    source = b"".join(Path(m.__file__).read_bytes() for m in (tiny_model, tiny_families, tiny_presets))
     tag = hashlib.sha256(source).hexdigest()[:12]
     home = Path(os.environ.get("MMCACHE_HOME", Path.home() / ".cache" / "mmcache"))
-    path = home / "bench" / f"{arch}-{tag}"
+    name = arch if preset == "tiny" else f"{arch}-{preset}"
+    path = home / "bench" / f"{name}-{tag}"
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-        say(f"# generating the tiny {arch} checkpoint in {path}")
-        tiny_model.make_tiny_model(path, arch)
+        say(f"# generating the {preset} {arch} checkpoint in {path}")
+        tiny_model.make_tiny_model(path, arch, preset)
     return path
 
 

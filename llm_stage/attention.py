@@ -119,32 +119,38 @@ class SdpaBackend:
         self.kv.kv[layer].index_copy_(0, plan.new_slots, kv)
 
     def attend(self, layer: int, qkv: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
-        heads, kv_heads = self.num_heads, self.kv.num_kv_heads
-        q = qkv[:, :heads]
+        q = qkv[:, : self.num_heads]
         if not plan.prefills:  # decodes only: one call, rows in order
             return self._decode(layer, q, plan).view(q.shape[0], -1)
+        if len(plan.prefills) == 1 and plan.decode_rows is None:  # one item: its rows are all the rows
+            return self._prefill(layer, q, qkv, plan.prefills[0]).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         for p in plan.prefills:
-            query = q[p.rows].transpose(0, 1)[None]
-            if p.context is None:  # the sequence's first tokens: K/V are right here
-                kv = qkv[p.rows, heads:]
-            else:
-                kv = self.kv.blocks(layer).index_select(0, p.context).flatten(0, 1)[: p.length]
-            keys = kv[:, :kv_heads].transpose(0, 1)[None]
-            values = kv[:, kv_heads:].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(
-                query,
-                keys,
-                values,
-                attn_mask=p.mask,
-                is_causal=p.context is None and query.shape[2] > 1,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
-            out[p.rows] = o[0].transpose(0, 1)
+            out[p.rows] = self._prefill(layer, q, qkv, p)
         if plan.decode_rows is not None:
             out[plan.decode_rows] = self._decode(layer, q[plan.decode_rows], plan)
         return out.view(out.shape[0], -1)
+
+    def _prefill(self, layer: int, q: torch.Tensor, qkv: torch.Tensor, p: _Prefill) -> torch.Tensor:
+        """One item's rows (a prefill chunk, or a decode alone): → (rows, heads, head_dim), a view."""
+        heads, kv_heads = self.num_heads, self.kv.num_kv_heads
+        query = q[p.rows].transpose(0, 1)[None]
+        if p.context is None:  # the sequence's first tokens: K/V are right here
+            kv = qkv[p.rows, heads:]
+        else:
+            kv = self.kv.blocks(layer).index_select(0, p.context).flatten(0, 1)[: p.length]
+        keys = kv[:, :kv_heads].transpose(0, 1)[None]
+        values = kv[:, kv_heads:].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=p.mask,
+            is_causal=p.context is None and query.shape[2] > 1,
+            scale=self.scaling,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
 
     def _decode(self, layer: int, q: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
         """One token of each of B sequences: q (B, heads, head_dim) → (B, heads, head_dim)."""

@@ -24,10 +24,13 @@ class KVCache:
         self.num_kv_heads = lm.num_kv_heads
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # NOTE: views of ``kv``, made once (attention asks for one every layer of every step); they
+        # stay valid because ``kv`` is never replaced, only written in place.
+        self._blocks = [layer.view(num_blocks, block_size, *shape[2:]) for layer in self.kv]
 
     def blocks(self, layer: int) -> torch.Tensor:
         """Layer ``layer`` as (num_blocks, block_size, 2 * kv_heads, head_dim)."""
-        return self.kv[layer].view(self.num_blocks, self.block_size, *self.kv.shape[2:])
+        return self._blocks[layer]
 
     @staticmethod
     def bytes_per_block(lm: TextLM, block_size: int, dtype: torch.dtype) -> int:

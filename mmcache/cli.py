@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mmcache.tiny_model import TINY_MODEL_ARCHS
+from mmcache.tiny_model import PRESETS, TINY_MODEL_ARCHS
 from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
 
 
@@ -28,6 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="generate the tiny test checkpoint offline")
     tiny.add_argument("dir")
     tiny.add_argument("--arch", default="qwen2-vl", choices=TINY_MODEL_ARCHS)
+    tiny.add_argument(
+        "--preset",
+        default="tiny",
+        choices=PRESETS,
+        help="size: tiny (1.3 M parameters, tests), mid (Qwen2-0.5B's text shape, ~410 M), "
+        "2b (Qwen2-VL-2B's / Qwen3-VL-2B's dimensions, bfloat16)",
+    )
 
     ping = sub.add_parser("ping", help="exit 0 when the stage at ADDRESS answers (health checks)")
     ping.add_argument("address", help="e.g. tcp://127.0.0.1:5556")
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "make-tiny-model":
         from mmcache.tiny_model import make_tiny_model
 
-        print(make_tiny_model(args.dir, args.arch))
+        print(make_tiny_model(args.dir, args.arch, args.preset))
     elif args.command == "bench" and args.names and args.names[0].startswith(("http://", "https://")):
         from mmcache.loadgen.cli import main as load
 

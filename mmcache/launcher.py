@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from mmcache import kv_store_server
+from mmcache.placement import STAGES, Placement, place
 from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args, to_flags
 
 log = logging.getLogger("mmcache.serve")
@@ -48,6 +49,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory of that store, MiB (least recently used blocks go first) "
         "[env MMCACHE_KV_STORE_SERVER_MB]",
     )
+    for stage in STAGES:
+        parser.add_argument(
+            f"--{stage}-threads",
+            type=int,
+            default=None,
+            metavar="N",
+            help=f"torch threads of the {stage} stage alone (overrides --torch-threads for it; "
+            "default: see docs/performance.md, thread placement)",
+        )
 
 
 def default_model_dir() -> Path:
@@ -65,20 +75,21 @@ def ensure_default_model() -> Path:
     return path
 
 
-def _thread_split(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """Share the cores between the stages instead of letting each take them all.
-
-    Left alone, three torch processes on one machine each start one thread per core and fight;
-    an explicit ``--torch-threads`` (or MMCACHE_TORCH_THREADS) applies to every stage instead.
-    """
-    if args.torch_threads is not None or "MMCACHE_TORCH_THREADS" in os.environ:
-        return {"encoder": {}, "llm": {}, "processor": {}}
-    cores = len(os.sched_getaffinity(0))
-    return {
-        "llm": {"torch_threads": max(1, cores // 2)},
-        "encoder": {"torch_threads": max(1, cores // 4)},
-        "processor": {"torch_threads": max(1, cores // 4)},
-    }
+def _placement(args: argparse.Namespace) -> Placement:
+    """Threads per stage (:mod:`mmcache.placement`): the busy stages get the cores, unless
+    ``--torch-threads`` (or MMCACHE_TORCH_THREADS, or OMP_NUM_THREADS) or a stage's own
+    ``--<stage>-threads`` says otherwise."""
+    every = args.torch_threads
+    # NOTE: an environment that sets OMP_NUM_THREADS (the test harness: 1) has said how many
+    # threads each process takes; the placement would otherwise override it with set_num_threads.
+    for name in ("MMCACHE_TORCH_THREADS", "OMP_NUM_THREADS"):
+        if every is None and os.environ.get(name, "").strip():
+            every = int(os.environ[name])
+    per_stage = {stage: getattr(args, f"{stage}_threads", None) for stage in STAGES}
+    for stage, n in per_stage.items():
+        if n is not None and n < 1:
+            raise ValueError(f"--{stage}-threads must be >= 1, got {n}")
+    return place(len(os.sched_getaffinity(0)), dict(os.environ), every, per_stage)
 
 
 def die_with_parent() -> None:
@@ -94,7 +105,8 @@ def serve(args: argparse.Namespace) -> int:
     model = args.model or os.environ.get("MMCACHE_MODEL") or str(ensure_default_model())
     rundir = Path(tempfile.mkdtemp(prefix="mmcache-"))
     enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
-    threads = _thread_split(args)
+    placement = _placement(args)
+    threads = placement.threads
     children: dict[str, subprocess.Popen] = {}
     store_url: dict[str, str] = {}
     if args.kv_store_server and not args.kv_store:
@@ -102,14 +114,20 @@ def serve(args: argparse.Namespace) -> int:
         children["kvstore"] = kv_store_server.start(socket_path, args.kv_store_server_mb, die_with_parent)
         store_url["kv_store"] = f"unix://{socket_path}"
     processor = from_args(
-        ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, **threads["processor"]
+        ProcessorConfig, args, model=model, encoder=enc_addr, llm=llm_addr, torch_threads=threads["processor"]
     )
     configs: dict[str, object] = {
         "encoder": from_args(
-            EncoderConfig, args, model=model, bind=enc_addr, metrics_port=0, **threads["encoder"]
+            EncoderConfig, args, model=model, bind=enc_addr, metrics_port=0, torch_threads=threads["encoder"]
         ),
         "llm": from_args(
-            LLMConfig, args, model=model, bind=llm_addr, metrics_port=0, **threads["llm"], **store_url
+            LLMConfig,
+            args,
+            model=model,
+            bind=llm_addr,
+            metrics_port=0,
+            torch_threads=threads["llm"],
+            **store_url,
         ),
         "processor": processor,
     }
@@ -120,17 +138,18 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    env = {k: v for k, v in os.environ.items() if k != "MMCACHE_METRICS_PORT"}
+    env = {k: v for k, v in os.environ.items() if k != "MMCACHE_METRICS_PORT"} | placement.env
     try:
         for name, cfg in configs.items():
             cmd = [sys.executable, "-m", "mmcache", name, *to_flags(cfg)]
             children[name] = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
         log.info(
-            "mmcache serving %s on http://%s:%d (pids %s)",
+            "mmcache serving %s on http://%s:%d (pids %s; torch threads %s)",
             model,
             processor.host,
             processor.port,
             {n: p.pid for n, p in children.items()},
+            threads,
         )
         while not stop["signal"]:
             for name, proc in list(children.items()):

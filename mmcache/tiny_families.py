@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mmcache.tiny_presets import preset
 from mmcache.tiny_tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 TINY_MODEL_ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
@@ -60,7 +61,6 @@ if _DEFAULT_SYSTEM not in CHAT_TEMPLATE:  # an edit to the template must keep th
     raise RuntimeError("CHAT_TEMPLATE lost its default system turn")
 QWEN3_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_DEFAULT_SYSTEM, "")
 
-_INITIALIZER_RANGE = 0.1  # well above the 0.02 default so the random model reacts visibly to its inputs
 _MIN_PIXELS = 56 * 56
 _MAX_IMAGE_PIXELS = 448 * 448
 _MAX_VIDEO_PIXELS = 224 * 224
@@ -71,74 +71,85 @@ def check_arch(arch: str) -> None:
         raise ValueError(f"unknown arch {arch!r}; expected one of {TINY_MODEL_ARCHS}")
 
 
-def model_config(arch: str, tokenizer: Any) -> Any:
-    """The model config (text and vision towers) of ``arch``, its token ids from ``tokenizer``."""
+def model_config(arch: str, tokenizer: Any, size: str = "tiny") -> Any:
+    """The model config (text and vision towers) of ``arch`` at preset ``size``, its token ids from
+    ``tokenizer``."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
+    p = preset(size)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text_config: dict[str, Any] = {
         "vocab_size": -(-len(tokenizer) // 64) * 64,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        **p.text,
         "max_position_embeddings": 8192,
-        "max_window_layers": 4,
+        "max_window_layers": p.text["num_hidden_layers"],
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
-        "initializer_range": _INITIALIZER_RANGE,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": p.mrope_section(False),
+        },
+        "initializer_range": p.initializer_range,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
-        "tie_word_embeddings": False,
-        "dtype": "float32",
+        "tie_word_embeddings": p.tie_word_embeddings,
+        "dtype": p.dtype,
     }
     vision_common: dict[str, Any] = {
-        "depth": 2,
-        "num_heads": 4,
+        "depth": p.vision_depth,
+        "num_heads": p.vision_heads,
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "initializer_range": _INITIALIZER_RANGE,
+        "initializer_range": p.initializer_range,
     }
     if arch == "qwen2-vl":
         config_cls: Any = Qwen2VLConfig
-        vision_config = {**vision_common, "embed_dim": 64, "mlp_ratio": 2, "hidden_size": 128}
-    elif arch == "qwen2.5-vl":
-        config_cls = Qwen2_5_VLConfig
         vision_config = {
             **vision_common,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "out_hidden_size": 128,
+            "embed_dim": p.vision_width,
+            "mlp_ratio": p.vision_mlp // p.vision_width,
+            "hidden_size": p.text["hidden_size"],
+        }
+    elif arch == "qwen2.5-vl":
+        config_cls = Qwen2_5_VLConfig
+        depth = p.vision_depth
+        vision_config = {
+            **vision_common,
+            "hidden_size": p.vision_width,
+            "intermediate_size": p.vision_mlp,
+            "out_hidden_size": p.text["hidden_size"],
             "window_size": 112,
-            "fullatt_block_indexes": [1],
+            # Full attention in every 8th block, as in the real models (7, 15, 23, 31 of 32).
+            "fullatt_block_indexes": list(range(7, depth, 8)) or [depth - 1],
             "tokens_per_second": 2,
         }
     else:
         config_cls = Qwen3VLConfig if arch == "qwen3-vl" else Qwen3VLMoeConfig
+        text_config.update(p.qwen3_text)
         if arch == "qwen3-vl-moe":  # every layer routes each token to 2 of 8 experts
-            text_config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+            text_config.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=p.moe_intermediate)
         # Qwen3 text layers: no q/k/v biases, q/k norms, an explicit head_dim, interleaved M-RoPE.
         del text_config["max_window_layers"]
-        text_config["head_dim"] = 32
+        text_config.setdefault("head_dim", p.head_dim)
         text_config["rope_parameters"] = {
             "rope_type": "default",
             "rope_theta": 5e6,
-            "mrope_section": [6, 5, 5],
+            "mrope_section": p.mrope_section(True),
             "mrope_interleaved": True,
         }
-        # Three deepstack layers, as in the real models (there: 8, 16 and 24 of 27).
+        depth = p.qwen3_vision.get("depth", p.vision_depth)
         vision_config = {
             **vision_common,
-            "depth": 3,
             "patch_size": 16,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "out_hidden_size": 128,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [0, 1, 2],
+            "hidden_size": p.vision_width,
+            "intermediate_size": p.vision_mlp,
+            "out_hidden_size": text_config["hidden_size"],
+            "num_position_embeddings": 2304,
+            # Three deepstack layers, as in the real models (8, 16 and 24 of 27; 5, 11, 17 of 24).
+            "deepstack_visual_indexes": [depth * k // 4 - 1 for k in (1, 2, 3)],
+            **p.qwen3_vision,
         }
     return config_cls(
         text_config=text_config,
@@ -147,8 +158,8 @@ def model_config(arch: str, tokenizer: Any) -> Any:
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
+        tie_word_embeddings=p.tie_word_embeddings,
+        dtype=p.dtype,
     )
 
 

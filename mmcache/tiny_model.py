@@ -18,22 +18,24 @@ from pathlib import Path
 from typing import Any
 
 from mmcache.tiny_families import TINY_MODEL_ARCHS, build_processor, check_arch, model_class, model_config
+from mmcache.tiny_presets import PRESETS, check_preset, preset
 
-__all__ = ["TINY_MODEL_ARCHS", "make_tiny_model"]
+__all__ = ["PRESETS", "TINY_MODEL_ARCHS", "make_tiny_model"]
 
 _SEED = 1234
 
 
-def _save_model(arch: str, tokenizer: Any, out: Path) -> None:
+def _save_model(arch: str, tokenizer: Any, out: Path, size: str) -> None:
     import torch
     from transformers import GenerationConfig
 
-    config = model_config(arch, tokenizer)
+    config = model_config(arch, tokenizer, size)
     model_cls = model_class(arch)
     old_dtype = torch.get_default_dtype()
     # Leave the caller's global RNG and default dtype untouched.
     with torch.random.fork_rng(devices=[]):
-        torch.set_default_dtype(torch.float32)
+        # NOTE: drawn in the saved dtype, so a bfloat16 preset never holds an fp32 copy (2b: 9 GB).
+        torch.set_default_dtype(getattr(torch, preset(size).dtype))
         try:
             torch.manual_seed(_SEED)
             model = model_cls(config).eval()
@@ -67,21 +69,23 @@ def _publish(tmp: Path, out: Path) -> None:
     raise OSError(f"could not move the generated checkpoint into place at {out}")
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen2-vl") -> Path:
-    """Generate a tiny random ``arch`` checkpoint (Hugging Face format) into ``out_dir`` and return it.
+def make_tiny_model(out_dir: str | Path, arch: str = "qwen2-vl", size: str = "tiny") -> Path:
+    """Generate a random ``arch`` checkpoint (Hugging Face format) of preset ``size``
+    (:mod:`mmcache.tiny_presets`) into ``out_dir`` and return it.
 
-    Fully offline and deterministic: the same ``arch`` always yields byte-identical files. The checkpoint is
-    assembled in a temporary sibling directory and renamed into place, so readers never see a partial one;
-    an existing ``out_dir`` is replaced.
+    Fully offline and deterministic: the same ``arch`` and ``size`` always yield byte-identical files.
+    The checkpoint is assembled in a temporary sibling directory and renamed into place, so readers
+    never see a partial one; an existing ``out_dir`` is replaced.
     """
     check_arch(arch)
+    check_preset(size)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         processor = build_processor(arch)
         processor.save_pretrained(tmp)
-        _save_model(arch, processor.tokenizer, tmp)
+        _save_model(arch, processor.tokenizer, tmp, size)
         # mkdtemp (and safetensors) create owner-only entries; use ordinary checkpoint permissions.
         tmp.chmod(0o755)
         for path in tmp.iterdir():

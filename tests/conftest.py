@@ -21,6 +21,13 @@ def tiny_model(tiny_models) -> Path:
     return tiny_models["qwen2-vl"]
 
 
+@pytest.fixture(scope="session")
+def mid_model(tmp_path_factory) -> Path:
+    """The ``mid`` preset (Qwen2-0.5B's text shape, ~410 M parameters) of Qwen2-VL: for the few tests
+    where compute at a real size matters (~20 s to generate, 1.6 GB)."""
+    return make_tiny_model(tmp_path_factory.mktemp("mid") / "qwen2-vl", "qwen2-vl", "mid")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _one_torch_thread():
     """In-process model tests share 2 cores with server processes: one intra-op thread each

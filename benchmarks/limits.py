@@ -1,0 +1,261 @@
+"""The machine's physical limits and the LLM stage's compute against them, in one run.
+
+(a) Memory bandwidth: a large bfloat16 copy (bytes read + written per second).
+(b) bfloat16 matmul throughput: a 2048² x 2048² product (FLOP/s).
+(c) Decode, ms per token at batch 1 on the ``mid`` checkpoint (Qwen2-0.5B's text shape) in bfloat16,
+    through the engine (scheduler, model runner, sampler), against the bandwidth bound: the bytes of
+    weights a step reads (every text weight but the embedding table, of which a step reads one row)
+    over (a), measured again right after each round (the ratio is the median over rounds).
+    Goal: within 1.15x of the bound.
+(d) Prefill, tokens/s of a ~512-token prompt, as a fraction of what (b) allows: 2 x parameters
+    FLOPs per token (attention's share is small at this length and not counted).
+
+The engine runs in this process with the thread count of this process (``--threads``; default:
+every core, as the LLM stage gets by default). ``MMCACHE_BENCH_MODEL`` points at a ``mid``
+checkpoint to use; otherwise one is generated (~20 s) and kept. ``MMCACHE_BENCH_RESULTS=FILE`` writes
+the figures as JSON with the commit, date, machine and load average. ``--profile DIR`` also writes a
+torch profiler table of one decode step and one prefill there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import Budget, Result, measure, median, model_dir, report, say, spread
+
+DECODE_GOAL = 1.15
+PROMPT_TOKENS = 512
+DECODE_TOKENS = 32
+COPY_BYTES = 1 << 30  # source size; large against any cache
+MATMUL = 2048
+
+
+def bandwidth(budget: Budget) -> tuple[float, list[float]]:
+    """Bytes/s of a bfloat16 copy, read + written."""
+    src = torch.ones(COPY_BYTES // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = measure(lambda: dst.copy_(src), budget)
+    return 2 * COPY_BYTES / median(times), times
+
+
+def matmul_flops(budget: Budget) -> tuple[float, list[float]]:
+    a = torch.randn(MATMUL, MATMUL).to(torch.bfloat16)
+    b = torch.randn(MATMUL, MATMUL).to(torch.bfloat16)
+    times = measure(lambda: torch.mm(a, b), budget)
+    return 2 * MATMUL**3 / median(times), times
+
+
+class Driver:
+    """The engine on one checkpoint, fed prompts directly (no ZeroMQ, no processor)."""
+
+    def __init__(self, path: Path, dtype: str):
+        from llm_stage.engine import Engine
+        from shared.checkpoint import ModelSpec
+        from shared.config import LLMConfig
+
+        self.spec = ModelSpec.load(path)
+        self.engine = Engine(
+            LLMConfig(model=str(path), device="cpu", dtype=dtype, kv_cache_gb=1.0, no_prefix_cache=True),
+            self.spec,
+        )
+        self.next_id = 0
+        self.vocab = self.engine.lm.vocab_size
+
+    def sequence(self, n: int, max_tokens: int) -> Any:
+        from llm_stage.sequence import Sequence
+        from shared.block_hash import root_hash
+        from shared.messages import SamplingParams
+
+        self.next_id += 1
+        gen = torch.Generator().manual_seed(self.next_id)
+        ids = torch.randint(100, 1000, (n,), generator=gen).tolist()
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return Sequence.new(
+            self.next_id,
+            ids,
+            [],
+            root_hash(self.spec.weights_fingerprint, None),
+            sampling,
+            self.engine.max_model_len,
+            self.spec.eos_token_ids,
+            self.spec.tokens_per_second,
+        )
+
+    def generate(self, prompt: int, max_tokens: int) -> tuple[float, list[float]]:
+        """(prefill seconds, seconds of each decode step) of one sequence alone."""
+        self.engine.submit(self.sequence(prompt, max_tokens))
+        times = []
+        while self.engine.has_work():
+            start = time.perf_counter()
+            self.engine.step()
+            times.append(time.perf_counter() - start)
+        return times[0], times[1:]
+
+
+def weight_bytes(lm: Any) -> int:
+    """Bytes of the weights one decode step reads: every text tensor but the embedding table."""
+    embed = lm.model.embed_tokens.weight
+    seen: set[int] = set()
+    total = 0
+    for p in lm.parameters():
+        ptr = p.untyped_storage().data_ptr()
+        if p is embed or ptr in seen:  # fused tensors: count each storage once
+            continue
+        seen.add(ptr)
+        total += p.untyped_storage().nbytes()
+    return total
+
+
+def parameters(lm: Any) -> int:
+    return sum(p.numel() for p in lm.parameters()) - lm.model.embed_tokens.weight.numel()
+
+
+def profile(driver: Driver, out: Path) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    engine = driver.engine
+    engine.submit(driver.sequence(PROMPT_TOKENS, 8))
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    (out / "prefill.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    engine.step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    (out / "decode.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    while engine.has_work():
+        engine.step()
+    say(f"# profiles written to {out}")
+
+
+def run(
+    quick: bool = False, threads: int = 0, dtype: str = "bfloat16", profile_dir: str = ""
+) -> list[Result]:
+    if threads:
+        torch.set_num_threads(threads)
+    budget = Budget(warmup=1, min_reps=3, max_reps=10 if quick else 20, seconds=2 if quick else 4)
+    bw, bw_times = bandwidth(budget)
+    say(f"# bf16 copy of {COPY_BYTES >> 20} MiB: {spread(bw_times)} -> {bw / 1e9:.1f} GB/s (read + write)")
+    flops, mm_times = matmul_flops(budget)
+    say(f"# bf16 {MATMUL}^2 matmul: {spread(mm_times)} -> {flops / 1e12:.2f} TFLOP/s")
+    path = model_dir("qwen2-vl", preset="mid")
+    driver = Driver(path, dtype)
+    lm = driver.engine.lm
+    wbytes, params = weight_bytes(lm), parameters(lm)
+    say(
+        f"# {path}: {params / 1e6:.0f} M text parameters (embedding excluded), "
+        f"{wbytes / 1e9:.3f} GB read a step"
+    )
+    if profile_dir:
+        profile(driver, Path(profile_dir))
+    rounds = 2 if quick else 4
+    driver.generate(PROMPT_TOKENS, 4)  # warm-up
+    prefills, decodes, ratios = [], [], []
+    short = Budget(warmup=0, min_reps=3, max_reps=3, seconds=0)
+    for _ in range(rounds):
+        prefill, steps = driver.generate(PROMPT_TOKENS, DECODE_TOKENS)
+        prefills.append(prefill)
+        decodes.append(median(steps))
+        # NOTE: the bandwidth again right after each round: on a shared machine the load drifts,
+        # and a bound measured minutes earlier would judge this round by another machine's state.
+        ratios.append(decodes[-1] / (wbytes / bandwidth(short)[0]))
+    decode = median(decodes)
+    bound = wbytes / bw
+    say(f"# decode (batch 1, ~{PROMPT_TOKENS} tokens of context): per-round medians {spread(decodes)}")
+    say(f"# decode over the bound measured right after each round: {', '.join(f'{r:.2f}' for r in ratios)}")
+    say(f"# prefill of {PROMPT_TOKENS} tokens: {spread(prefills)}")
+    prefill_rate = PROMPT_TOKENS / median(prefills)
+    prefill_bound = flops / (2 * params)
+    figures = {
+        "bandwidth_gbps": bw / 1e9,
+        "matmul_tflops": flops / 1e12,
+        "weight_gb": wbytes / 1e9,
+        "decode_ms": decode * 1e3,
+        "decode_bound_ms": bound * 1e3,
+        "decode_over_bound_per_round": ratios,
+        "prefill_tokens_per_s": prefill_rate,
+        "prefill_bound_tokens_per_s": prefill_bound,
+        "threads": torch.get_num_threads(),
+    }
+    results = [
+        Result(
+            "limits_decode_vs_bandwidth",
+            f"decode ms/token at batch 1 on mid ({dtype}) over weight bytes / bandwidth, median of rounds "
+            f"({decode * 1e3:.1f} ms vs {bound * 1e3:.1f} ms at the start)",
+            median(ratios),
+            DECODE_GOAL,
+            higher_is_better=False,
+            details=figures,
+        ),
+        Result(
+            "limits_prefill_vs_matmul",
+            f"prefill tokens/s on mid ({dtype}) as a fraction of matmul FLOP/s / (2 x params) "
+            f"({prefill_rate:.0f} vs {prefill_bound:.0f} tokens/s)",
+            prefill_rate / prefill_bound,
+            None,
+        ),
+    ]
+    out = os.environ.get("MMCACHE_BENCH_RESULTS")
+    if out:
+        record = provenance() | {"dtype": dtype, "checkpoint": str(path), "figures": figures}
+        Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    return results
+
+
+def provenance() -> dict[str, Any]:
+    """Commit, date, machine and load of a run, for a results file."""
+    import platform
+    import subprocess
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    cpu = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
+        ]
+        cpu = names[0] if names else cpu
+    return {
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpu": cpu,
+            "cores": len(os.sched_getaffinity(0)),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "load_average": os.getloadavg(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--profile", default="", metavar="DIR", help="write profiler tables to DIR")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    results = run(args.quick, args.threads, args.dtype, args.profile)
+    say(f"# finished in {time.perf_counter() - start:.1f} s (load average {os.getloadavg()})")
+    report(results)
+
+
+if __name__ == "__main__":
+    main()

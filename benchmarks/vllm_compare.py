@@ -1,0 +1,205 @@
+"""mmcache side by side with another OpenAI-compatible server (vLLM), interleaved, on one checkpoint.
+
+Both servers must already run (see docs/performance.md for the commands); this script only sends
+requests, the same kinds to both, alternating A B B A within every row so background load hits
+them alike, and prints one line per row: the medians and B's figure over A's where a larger ratio
+means mmcache is ahead.
+
+Rows (6 samples each by default):
+  text_ttft     TTFT of a text request with a new ~220-token prompt (nothing cached)
+  image_ttft    TTFT of a request with a first-seen 448x448 image (a ``data:`` URL) and a question
+  same_image    TTFT of a new question about the image the previous request sent (warm caches)
+  decode_ms     ms per output token of one streamed request at batch 1 (64 tokens, after the first)
+  concurrent    output tokens/s of 16 concurrent requests, each a new image and question
+and the greedy texts of both servers on the text prompts (equal count; compare with --dtype float32
+on both sides: bf16 kernels differ).
+
+    python -m benchmarks.vllm_compare --mmcache http://127.0.0.1:8000 --peer http://127.0.0.1:8001
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+from benchmarks.chat import body, image, text, user, words
+from mmcache.loadgen.runner import sse_events
+
+IMAGE = 448
+DECODE_TOKENS = 64
+CONCURRENT = 16
+TIMEOUT = aiohttp.ClientTimeout(total=600)
+
+
+class Peer:
+    """One server: its URL and the model name it serves."""
+
+    def __init__(self, name: str, url: str):
+        self.name, self.url, self.model = name, url.rstrip("/"), ""
+
+    async def connect(self, session: aiohttp.ClientSession) -> None:
+        async with session.get(self.url + "/v1/models") as resp:
+            self.model = (await resp.json())["data"][0]["id"]
+
+    async def stream(
+        self, session: aiohttp.ClientSession, payload: dict, need_content: bool = True
+    ) -> tuple[list[float], str]:
+        """Arrival times (seconds from sending) of every content chunk, and the text (a random
+        model's greedy answer may be special tokens only: empty, allowed with ``need_content`` off)."""
+        data = json.dumps({**payload, "model": self.model, "stream": True}).encode()
+        start = time.perf_counter()
+        times: list[float] = []
+        parts: list[str] = []
+        headers = {"Content-Type": "application/json"}
+        async with session.post(self.url + "/v1/chat/completions", data=data, headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{self.name}: HTTP {resp.status}: {await resp.text()}")
+            async for event in sse_events(resp):
+                for choice in event.get("choices", []):
+                    content = choice.get("delta", {}).get("content")
+                    if content:
+                        times.append(time.perf_counter() - start)
+                        parts.append(content)
+        if not times and need_content:
+            raise RuntimeError(f"{self.name}: the stream carried no content")
+        return times, "".join(parts)
+
+    async def complete(self, session: aiohttp.ClientSession, payload: dict) -> int:
+        async with session.post(
+            self.url + "/v1/chat/completions", json={**payload, "model": self.model}
+        ) as resp:
+            out = await resp.json()
+            if resp.status != 200:
+                raise RuntimeError(f"{self.name}: HTTP {resp.status}: {out}")
+            return int(out["usage"]["completion_tokens"])
+
+
+class Workload:
+    """Fresh payloads: every call draws new words and, where asked, a new image."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.seed = seed * 10_000
+        self.last_image = ""
+
+    def image_url(self) -> str:
+        from mmcache.media import image_bytes
+
+        self.seed += 1
+        png = image_bytes(IMAGE, IMAGE, seed=self.seed)
+        self.last_image = "data:image/png;base64," + base64.b64encode(png).decode()
+        return self.last_image
+
+    def text(self, max_tokens: int = 16) -> dict:
+        # ~60 words of system prompt + ~8 words of question: ~220 tokens with the chat template.
+        messages = [
+            {"role": "system", "content": words(self.rng, 60)},
+            {"role": "user", "content": words(self.rng, 8)},
+        ]
+        return body("", messages, max_tokens=max_tokens)
+
+    def image(self, url: str | None = None, max_tokens: int = 16) -> dict:
+        return body(
+            "", [user(image(url or self.image_url()), text(words(self.rng, 8)))], max_tokens=max_tokens
+        )
+
+
+async def row(
+    name: str, peers: list[Peer], rounds: int, sample: Callable[[Peer, int], Awaitable[float]], higher: bool
+) -> dict:
+    """``rounds`` samples per peer, in A B B A order; returns the medians and B over A (mmcache ahead > 1)."""
+    values: dict[str, list[float]] = {p.name: [] for p in peers}
+    for r in range(rounds):
+        for peer in peers if r % 2 == 0 else peers[::-1]:
+            values[peer.name].append(await sample(peer, r))
+    a, b = (statistics.median(values[p.name]) for p in peers)
+    ratio = a / b if higher else b / a
+    spread = {k: [round(min(v), 4), round(max(v), 4)] for k, v in values.items()}
+    print(
+        f"ROW {name}: {peers[0].name} {a:.4g}, {peers[1].name} {b:.4g} -> {ratio:.2f}x "
+        f"({'higher' if higher else 'lower'} is better; min..max {spread}; load {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    return {"mmcache": a, "peer": b, "ratio": ratio, "samples": values}
+
+
+async def compare(peers: list[Peer], rounds: int) -> dict:
+    out: dict = {}
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        for peer in peers:
+            await peer.connect(session)
+        loads = {p.name: Workload(seed) for seed, p in enumerate(peers, start=1)}
+        for peer in peers:  # warm-up: both compile / allocate what they need before timing
+            await peer.stream(session, loads[peer.name].text())
+            await peer.stream(session, loads[peer.name].image())
+
+        async def text_ttft(peer: Peer, _r: int) -> float:
+            return (await peer.stream(session, loads[peer.name].text()))[0][0]
+
+        async def image_ttft(peer: Peer, _r: int) -> float:
+            return (await peer.stream(session, loads[peer.name].image()))[0][0]
+
+        async def same_image(peer: Peer, _r: int) -> float:
+            load = loads[peer.name]
+            url = load.image_url()
+            await peer.stream(session, load.image(url, max_tokens=1))  # the image is now seen
+            return (await peer.stream(session, load.image(url)))[0][0]
+
+        async def decode_ms(peer: Peer, _r: int) -> float:
+            times, _ = await peer.stream(session, loads[peer.name].text(max_tokens=DECODE_TOKENS))
+            return 1e3 * (times[-1] - times[0]) / max(1, len(times) - 1)
+
+        async def concurrent(peer: Peer, _r: int) -> float:
+            load = loads[peer.name]
+            payloads = [load.image(max_tokens=32) for _ in range(CONCURRENT)]
+            start = time.perf_counter()
+            tokens = await asyncio.gather(*(peer.complete(session, p) for p in payloads))
+            return sum(tokens) / (time.perf_counter() - start)
+
+        out["text_ttft_s"] = await row("text_ttft", peers, rounds, text_ttft, higher=False)
+        out["image_ttft_s"] = await row("image_ttft", peers, rounds, image_ttft, higher=False)
+        out["same_image_ttft_s"] = await row("same_image", peers, rounds, same_image, higher=False)
+        out["decode_ms"] = await row("decode_ms", peers, rounds, decode_ms, higher=False)
+        out["concurrent_tok_s"] = await row("concurrent", peers, max(2, rounds // 2), concurrent, higher=True)
+
+        same = Workload(999)  # one set of prompts for both: are the greedy texts equal?
+        prompts = [same.text(max_tokens=24) for _ in range(6)]
+        texts = {
+            p.name: [(await p.stream(session, q, need_content=False))[1] for q in prompts] for p in peers
+        }
+        equal = sum(x == y for x, y in zip(*texts.values(), strict=True))
+        print(f"ROW greedy_texts: {equal}/{len(prompts)} equal", flush=True)
+        out["greedy_equal"] = [equal, len(prompts)]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mmcache", required=True, help="mmcache's URL")
+    parser.add_argument("--peer", required=True, help="the other server's URL (e.g. vllm serve)")
+    parser.add_argument("--rounds", type=int, default=6, help="samples per row and server")
+    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (A B B A order)")
+    peers = [Peer("mmcache", args.mmcache), Peer("peer", args.peer)]
+    result = asyncio.run(compare(peers, args.rounds))
+    if args.out:
+        meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": os.getloadavg()}
+        Path(args.out).write_text(json.dumps(meta | result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

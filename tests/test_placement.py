@@ -1,0 +1,75 @@
+"""Thread placement of ``mmcache serve``: the busy stages get the cores, flags override it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from mmcache.launcher import _placement, add_serve_arguments
+from mmcache.placement import default_threads, place
+
+
+def test_on_two_cores_the_llm_stage_gets_both():
+    assert default_threads(2) == {"processor": 1, "encoder": 2, "llm": 2}
+    assert default_threads(1) == {"processor": 1, "encoder": 1, "llm": 1}
+    assert default_threads(16) == {"processor": 8, "encoder": 16, "llm": 16}
+
+
+def test_passive_waiting_unless_the_environment_says_how_threads_wait():
+    assert place(2, {}, None, {}).env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert place(2, {"OMP_WAIT_POLICY": "ACTIVE"}, None, {}).env == {}
+    assert place(2, {"GOMP_SPINCOUNT": "1000"}, None, {}).env == {}
+
+
+def test_torch_threads_sets_every_stage_and_a_stage_flag_overrides_it():
+    assert place(8, {}, 3, {}).threads == {"processor": 3, "encoder": 3, "llm": 3}
+    assert place(8, {}, 3, {"llm": 6}).threads == {"processor": 3, "encoder": 3, "llm": 6}
+    assert place(2, {}, None, {"encoder": 1}).threads == {"processor": 1, "encoder": 1, "llm": 2}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_serve_flags_reach_the_placement(monkeypatch):
+    monkeypatch.delenv("MMCACHE_TORCH_THREADS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert _placement(_args()).threads == default_threads(len(os.sched_getaffinity(0)))
+    assert _placement(_args("--torch-threads", "1", "--llm-threads", "2")).threads == {
+        "processor": 1,
+        "encoder": 1,
+        "llm": 2,
+    }
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as the test harness runs servers
+    assert _placement(_args()).threads == {"processor": 1, "encoder": 1, "llm": 1}
+    monkeypatch.setenv("MMCACHE_TORCH_THREADS", "3")
+    assert _placement(_args()).threads == {"processor": 3, "encoder": 3, "llm": 3}
+    with pytest.raises(ValueError, match="--encoder-threads must be >= 1"):
+        _placement(_args("--encoder-threads", "0"))
+
+
+def test_serve_starts_its_stages_with_the_placement(tiny_model):
+    """A real ``mmcache serve``: each stage process gets its thread count on its command line and
+    passive OpenMP waiting in its environment."""
+    from pathlib import Path
+
+    from mmcache.harness import Server
+
+    with Server(tiny_model, "--llm-threads", "2", "--encoder-threads", "1") as server:
+        stages = {}
+        for pid in server.children:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+                env = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+            except FileNotFoundError:
+                continue
+            if "mmcache" in argv and argv[argv.index("mmcache") + 1] in ("llm", "encoder", "processor"):
+                stage = argv[argv.index("mmcache") + 1]
+                stages[stage] = (int(argv[argv.index("--torch-threads") + 1]), env)
+    # The harness runs servers with OMP_NUM_THREADS=1: that sets the stages the flags leave alone.
+    assert {name: n for name, (n, _) in stages.items()} == {"llm": 2, "encoder": 1, "processor": 1}
+    assert all("OMP_WAIT_POLICY=PASSIVE" in env for _, env in stages.values())
