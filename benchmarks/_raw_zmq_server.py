@@ -1,6 +1,6 @@
 """Baseline for the fetch benchmark: a bare ROUTER that answers every request with one payload frame.
 
-``python -m benchmarks._raw_zmq_server ADDRESS NBYTES`` binds ADDRESS (tcp) and replies to each
+``python -m mmcache.benchmarks._raw_zmq_server ADDRESS NBYTES`` binds ADDRESS (tcp) and replies to each
 request ``[identity, b"<n>"]`` with ``[identity, payload[:n]]`` (at most NBYTES, sent without a
 copy), until SIGTERM. It prints ``ready <endpoint>`` once bound.
 """

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import numpy as np
 
-from benchmarks.common import Server, say
+from mmcache.benchmarks.common import Server, say
 from mmcache.loadgen.runner import sse_events
 
 MAX_TOKENS = 32

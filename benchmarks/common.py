@@ -97,7 +97,7 @@ def report(results: Sequence[Result]) -> None:
 
 
 def main(run: Callable[..., list[Result]], doc: str | None = None) -> None:
-    """The ``python -m benchmarks.<name>`` entry point: ``--quick`` and the RESULT lines."""
+    """The ``python -m mmcache.benchmarks.<name>`` entry point: ``--quick`` and the RESULT lines."""
     parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under 30 s)")
     args = parser.parse_args()

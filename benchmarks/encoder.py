@@ -24,7 +24,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from benchmarks.common import (
+from mmcache.benchmarks.common import (
     Budget,
     Result,
     StageProcess,
@@ -48,7 +48,7 @@ CALL_TIMEOUT = 60.0  # seconds; no request may hang the benchmark
 
 
 async def _wait_pong(client, proc: StageProcess):
-    from shared.messages import Ping
+    from mmcache.shared.messages import Ping
 
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
@@ -65,7 +65,7 @@ def _pixels(rng: np.random.Generator, size: int) -> torch.Tensor:
 
 
 async def hit_vs_miss(client, rng: np.random.Generator, quick: bool) -> tuple[Result, dict]:
-    from shared.messages import EncodeItem, EncodeRequest, FetchRequest, LookupRequest
+    from mmcache.shared.messages import EncodeItem, EncodeRequest, FetchRequest, LookupRequest
 
     tokens = (IMAGE // 28) ** 2
     num_misses = 4 if quick else 16
@@ -108,10 +108,10 @@ def wire_bytes(quick: bool) -> list[Result]:
     from transformers import AutoProcessor
 
     from mmcache.media import image_bytes, video_bytes
-    from processor.media_decode import DecodeLimits, decode_image, decode_video
-    from processor.preprocess import Preprocessor
-    from shared.messages import EncodeItem, EncodeRequest
-    from shared.wire import encode
+    from mmcache.processor.media_decode import DecodeLimits, decode_image, decode_video
+    from mmcache.processor.preprocess import Preprocessor
+    from mmcache.shared.messages import EncodeItem, EncodeRequest
+    from mmcache.shared.wire import encode
 
     model = model_dir()
     limits = DecodeLimits(40_000_000, 2.0, 64, 600.0)
@@ -162,7 +162,7 @@ def wire_bytes(quick: bool) -> list[Result]:
 
 
 async def fetch_throughput(ctx, client, rng, quick: bool) -> Result:
-    from shared.messages import EncodeItem, EncodeRequest, FetchRequest
+    from mmcache.shared.messages import EncodeItem, EncodeRequest, FetchRequest
 
     key = rng.bytes(16)
     rows_n = (BIG // 28) ** 2
@@ -174,7 +174,9 @@ async def fetch_throughput(ctx, client, rng, quick: bool) -> Result:
     probe = (await client.call(FetchRequest(key, 0, rows_n), timeout=CALL_TIMEOUT)).rows
     nbytes = probe.numel() * probe.element_size()
 
-    raw = StageProcess([f"tcp://127.0.0.1:{free_port()}", str(nbytes)], module="benchmarks._raw_zmq_server")
+    raw = StageProcess(
+        [f"tcp://127.0.0.1:{free_port()}", str(nbytes)], module="mmcache.benchmarks._raw_zmq_server"
+    )
     sync_ctx = zmq.Context()
     dealer = sync_ctx.socket(zmq.DEALER)
     adealer = ctx.socket(zmq.DEALER)
@@ -251,7 +253,7 @@ async def _raw_address(proc: StageProcess) -> str:
 
 
 async def _served(quick: bool) -> list[Result]:
-    from shared.rpc import RpcClient
+    from mmcache.shared.rpc import RpcClient
 
     model = model_dir()
     address = f"tcp://127.0.0.1:{free_port()}"

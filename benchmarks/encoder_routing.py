@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import zmq.asyncio
 
-from benchmarks.common import Result, StageProcess, free_port, main, model_dir, say
+from mmcache.benchmarks.common import Result, StageProcess, free_port, main, model_dir, say
 from mmcache.harness import STARTUP_TIMEOUT
 
 CAPACITY = 100  # images per replica cache (C)
@@ -63,7 +63,7 @@ async def _wait_up(replicas, procs: list[StageProcess]) -> None:
 
 async def _one(client, key: bytes, pixels: torch.Tensor) -> bool:
     """Look the image up at its replica and encode it there if missing; True on a hit."""
-    from shared.messages import EncodeItem, EncodeRequest, LookupRequest
+    from mmcache.shared.messages import EncodeItem, EncodeRequest, LookupRequest
 
     reply = await client.call(LookupRequest([key], handoff=False), timeout=CALL_TIMEOUT)
     if not reply.missing:
@@ -74,7 +74,7 @@ async def _one(client, key: bytes, pixels: torch.Tensor) -> bool:
 
 async def _entry_bytes(ctx) -> int:
     """Bytes one cached image takes, measured on a throwaway encoder."""
-    from shared.discovery import ReplicaSet
+    from mmcache.shared.discovery import ReplicaSet
 
     address = f"tcp://127.0.0.1:{free_port()}"
     proc = StageProcess(["encoder", "--model", str(model_dir()), "--bind", address])
@@ -92,7 +92,7 @@ async def _entry_bytes(ctx) -> int:
 
 
 async def _policy(ctx, name: str, capacity: int, entry: int, images) -> tuple[float, dict]:
-    from shared.discovery import ReplicaSet
+    from mmcache.shared.discovery import ReplicaSet
 
     # Room for `capacity` entries and half of one more: the cache is bounded in bytes.
     gib = (capacity + 0.5) * entry / (1 << 30)

@@ -10,7 +10,7 @@ text shape (head_dim 128).
 Every figure is a median over repeats, with min-max beside it; the device syncs before each clock
 read (the sampler's ``tolist`` does so at the end of every step).
 
-    python -m benchmarks.gpu_engine --shape mid --device cuda [--batches 1,8,32,64] [--json FILE]
+    python -m mmcache.benchmarks.gpu_engine --shape mid --device cuda [--batches 1,8,32,64] [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from llm_stage.engine import Engine
-from llm_stage.sequence import Sequence
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.messages import SamplingParams
 from mmcache.tiny_model import make_tiny_model
-from shared.block_hash import root_hash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.messages import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {},
@@ -270,7 +270,7 @@ def main() -> None:
     rows = run(args.shape, args.device, batches, configs, args.quick, Path(args.root))
     print(f"\n{args.shape} checkpoint on {args.device}:\n{table(rows)}", flush=True)
     spec = ModelSpec.load(sized_checkpoint(Path(args.root), args.shape))
-    from llm_stage.text_model import TextLM
+    from mmcache.llm_stage.text_model import TextLM
 
     lm = TextLM(spec, torch.device("cpu"), torch.bfloat16)
     weight_bytes = (

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import xxhash
 
-from benchmarks.common import Budget, Result, interleaved, main, median, say
-from shared.block_hash import block_hashes, root_hash
-from shared.keys import fingerprint, media_key
-from shared.messages import MediaSpan
+from mmcache.benchmarks.common import Budget, Result, interleaved, main, median, say
+from mmcache.shared.block_hash import block_hashes, root_hash
+from mmcache.shared.keys import fingerprint, media_key
+from mmcache.shared.messages import MediaSpan
 
 BLOCK = 16
 PROMPT_TOKENS = 8192

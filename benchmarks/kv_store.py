@@ -9,7 +9,7 @@ grows with what it holds; Mooncake: the client mounts a fixed segment up front, 
 only metadata), and how long the server takes to start. Every server is started here on free
 loopback ports and stopped at the end; a candidate that is not installed is skipped.
 
-    python -m benchmarks.kv_store [--ops 64] [--repeat 3]
+    python -m mmcache.benchmarks.kv_store [--ops 64] [--repeat 3]
 """
 
 from __future__ import annotations

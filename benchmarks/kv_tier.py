@@ -14,7 +14,7 @@ that misses). A and C are different processes (a few percent apart on their own)
 interleave them so the machine's noise hits both alike. With an image, B's probe reports the
 store's prefix, so B's processor does not encode the image.
 
-    python -m benchmarks.kv_tier [--quick]      (MMCACHE_BENCH_MODEL=DIR for another checkpoint)
+    python -m mmcache.benchmarks.kv_tier [--quick]      (MMCACHE_BENCH_MODEL=DIR for another checkpoint)
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 import aiohttp
 import numpy as np
 
-from benchmarks.chat import body, image, text, ttft, user, words
-from benchmarks.common import Result, Server, main, median, model_dir, say, spread
+from mmcache.benchmarks.chat import body, image, text, ttft, user, words
+from mmcache.benchmarks.common import Result, Server, main, median, model_dir, say, spread
 from mmcache.kv_store_server import RedisServer
 from mmcache.media import data_url, image_bytes
 

@@ -9,7 +9,7 @@ Hit rate = prompt tokens served from a cache / prompt tokens, over every turn af
 (the first turn of a conversation has nothing to hit). Answers with the store on must equal the
 answers with it off (checked).
 
-    python -m benchmarks.kv_tier_hits [--quick]
+    python -m mmcache.benchmarks.kv_tier_hits [--quick]
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import asyncio
 
 import numpy as np
 
-from benchmarks.common import Result, main, model_dir, say
-from llm_stage.engine import Engine
-from llm_stage.sequence import Sequence
+from mmcache.benchmarks.common import Result, main, model_dir, say
 from mmcache.kv_store_server import RedisServer
-from shared.block_hash import root_hash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.messages import SamplingParams
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.messages import SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 MAX_STEPS = 5000

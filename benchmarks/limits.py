@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import Budget, Result, measure, median, model_dir, report, say, spread
+from mmcache.benchmarks.common import Budget, Result, measure, median, model_dir, report, say, spread
 
 DECODE_GOAL = 1.15
 PROMPT_TOKENS = 512
@@ -56,9 +56,9 @@ class Driver:
     """The engine on one checkpoint, fed prompts directly (no ZeroMQ, no processor)."""
 
     def __init__(self, path: Path, dtype: str):
-        from llm_stage.engine import Engine
-        from shared.checkpoint import ModelSpec
-        from shared.config import LLMConfig
+        from mmcache.llm_stage.engine import Engine
+        from mmcache.shared.checkpoint import ModelSpec
+        from mmcache.shared.config import LLMConfig
 
         self.spec = ModelSpec.load(path)
         self.engine = Engine(
@@ -69,9 +69,9 @@ class Driver:
         self.vocab = self.engine.lm.vocab_size
 
     def sequence(self, n: int, max_tokens: int) -> Any:
-        from llm_stage.sequence import Sequence
-        from shared.block_hash import root_hash
-        from shared.messages import SamplingParams
+        from mmcache.llm_stage.sequence import Sequence
+        from mmcache.shared.block_hash import root_hash
+        from mmcache.shared.messages import SamplingParams
 
         self.next_id += 1
         gen = torch.Generator().manual_seed(self.next_id)

@@ -37,8 +37,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.chat import MAX_TOKENS, batch, body, image, text, ttft, user, warm_up, words
-from benchmarks.common import Result, Server, main, median, model_dir, say, spread
+from mmcache.benchmarks.chat import MAX_TOKENS, batch, body, image, text, ttft, user, warm_up, words
+from mmcache.benchmarks.common import Result, Server, main, median, model_dir, say, spread
 
 THROUGHPUT_GOAL = 3.0
 NO_CACHE_GOAL = 0.97
@@ -201,7 +201,7 @@ async def ttft_cached(
     session, server: Server, model: str, media: Path, quick: bool, system_words: int
 ) -> dict:
     from mmcache.media import data_url, image_bytes
-    from processor.media_source import SETTLED_SECONDS
+    from mmcache.processor.media_source import SETTLED_SECONDS
 
     rng = np.random.default_rng(5 + system_words)
     system = {"role": "system", "content": "You are a careful assistant. " + words(rng, system_words)}

@@ -15,15 +15,15 @@ import io
 import logging
 from types import SimpleNamespace
 
-from benchmarks.common import Budget, Result, main, measure, median, say
-from encoder_stage.metrics import EncoderMetrics
-from llm_stage.metrics import FAMILIES as LLM_FAMILIES
-from llm_stage.metrics import LLMMetrics
-from llm_stage.scheduler import StepOutput
-from llm_stage.sequence import SeqStatus
-from processor.metrics import ProcessorMetrics
-from processor.request_log import RequestRecord
-from shared.logs import TextFormatter
+from mmcache.benchmarks.common import Budget, Result, main, measure, median, say
+from mmcache.encoder_stage.metrics import EncoderMetrics
+from mmcache.llm_stage.metrics import FAMILIES as LLM_FAMILIES
+from mmcache.llm_stage.metrics import LLMMetrics
+from mmcache.llm_stage.scheduler import StepOutput
+from mmcache.llm_stage.sequence import SeqStatus
+from mmcache.processor.metrics import ProcessorMetrics
+from mmcache.processor.request_log import RequestRecord
+from mmcache.shared.logs import TextFormatter
 
 INNER = 200  # hook calls per timed sample
 

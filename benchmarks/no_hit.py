@@ -23,8 +23,8 @@ import time
 import aiohttp
 import numpy as np
 
-from benchmarks.chat import MAX_TOKENS, batch, body, image, text, user, warm_up, words
-from benchmarks.common import Result, Server, main, model_dir, say
+from mmcache.benchmarks.chat import MAX_TOKENS, batch, body, image, text, user, warm_up, words
+from mmcache.benchmarks.common import Result, Server, main, model_dir, say
 
 GOAL = 1.03
 IMAGE = 448

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (
+from mmcache.benchmarks.common import (
     Budget,
     Result,
     fmt_time,
@@ -58,12 +58,12 @@ def _body(url: str) -> dict:
 
 
 def _pipeline(model: Path, media_dir: Path, **overrides):
-    from processor.media_source import MediaSource
-    from processor.pipeline import Pipeline
-    from processor.preprocess import Preprocessor
-    from processor.prompt import PromptBuilder
-    from shared.checkpoint import ModelSpec
-    from shared.config import ProcessorConfig
+    from mmcache.processor.media_source import MediaSource
+    from mmcache.processor.pipeline import Pipeline
+    from mmcache.processor.preprocess import Preprocessor
+    from mmcache.processor.prompt import PromptBuilder
+    from mmcache.shared.checkpoint import ModelSpec
+    from mmcache.shared.config import ProcessorConfig
 
     cfg = ProcessorConfig(model=str(model), allowed_local_media_path=str(media_dir), **overrides)
     pre = Preprocessor(cfg.model, cfg.video_fps, cfg.max_video_frames)
@@ -74,10 +74,10 @@ def _pipeline(model: Path, media_dir: Path, **overrides):
 
 def run(quick: bool = False) -> list[Result]:
     from mmcache.media import image_bytes
-    from processor.media_decode import decode_image
-    from processor.media_source import SETTLED_SECONDS
-    from processor.request import parse_chat_request
-    from shared.keys import chunk_key, media_key
+    from mmcache.processor.media_decode import decode_image
+    from mmcache.processor.media_source import SETTLED_SECONDS
+    from mmcache.processor.request import parse_chat_request
+    from mmcache.shared.keys import chunk_key, media_key
 
     model = model_dir()
     num_misses = 3 if quick else 12

@@ -18,8 +18,8 @@ import asyncio
 import aiohttp
 import numpy as np
 
-from benchmarks.chat import batch, body, warm_up, words
-from benchmarks.common import Result, Server, main, median, model_dir, say
+from mmcache.benchmarks.chat import batch, body, warm_up, words
+from mmcache.benchmarks.common import Result, Server, main, median, model_dir, say
 
 CONCURRENCY = 16
 MAX_TOKENS = 128

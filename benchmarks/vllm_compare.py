@@ -14,7 +14,7 @@ Rows (6 samples each by default):
 and the greedy texts of both servers on the text prompts (equal count; compare with --dtype float32
 on both sides: bf16 kernels differ).
 
-    python -m benchmarks.vllm_compare --mmcache http://127.0.0.1:8000 --peer http://127.0.0.1:8001
+    python -m mmcache.benchmarks.vllm_compare --mmcache http://127.0.0.1:8000 --peer http://127.0.0.1:8001
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.chat import body, image, text, user, words
+from mmcache.benchmarks.chat import body, image, text, user, words
 from mmcache.loadgen.runner import sse_events
 
 IMAGE = 448

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_stage.vision import VisionInput, VisionTower
+from mmcache.encoder_stage.vision import VisionInput, VisionTower
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from shared.metrics import LATENCY_BUCKETS, Family, Stats, StatsCollector
+from mmcache.shared.metrics import LATENCY_BUCKETS, Family, Stats, StatsCollector
 
 FAMILIES = [
     Family("mmcache_encoder_forwards", "counter", "vision forwards run", "forwards"),

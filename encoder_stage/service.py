@@ -9,14 +9,14 @@ from typing import Any
 import torch
 import zmq
 
-from encoder_stage.batcher import Batcher
-from encoder_stage.embedding_cache import EmbeddingCache
-from encoder_stage.metrics import EncoderMetrics
-from encoder_stage.vision import VisionInput, VisionTower
-from shared.checkpoint import ModelSpec
-from shared.config import EncoderConfig
-from shared.keys import ChunkKey, embed_key
-from shared.messages import (
+from mmcache.encoder_stage.batcher import Batcher
+from mmcache.encoder_stage.embedding_cache import EmbeddingCache
+from mmcache.encoder_stage.metrics import EncoderMetrics
+from mmcache.encoder_stage.vision import VisionInput, VisionTower
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import EncoderConfig
+from mmcache.shared.keys import ChunkKey, embed_key
+from mmcache.shared.messages import (
     Abort,
     EncodeItem,
     EncodeReply,
@@ -30,10 +30,10 @@ from shared.messages import (
     Pong,
     ReleaseHandoff,
 )
-from shared.metrics import MetricsServer
-from shared.rpc import Responder
-from shared.service import replica_id, run_stage, with_metrics_server
-from shared.single_flight import SingleFlight
+from mmcache.shared.metrics import MetricsServer
+from mmcache.shared.rpc import Responder
+from mmcache.shared.service import replica_id, run_stage, with_metrics_server
+from mmcache.shared.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ import torch
 from transformers import AutoConfig, AutoImageProcessor, AutoVideoProcessor
 from transformers.initialization import no_init_weights
 
-from shared.checkpoint import ModelSpec, load_weights, vision_weight_name
-from shared.family import load_class
-from shared.keys import Fingerprint, fingerprint
-from shared.torch_utils import resolve_device, resolve_dtype
+from mmcache.shared.checkpoint import ModelSpec, load_weights, vision_weight_name
+from mmcache.shared.family import load_class
+from mmcache.shared.keys import Fingerprint, fingerprint
+from mmcache.shared.torch_utils import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 

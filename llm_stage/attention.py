@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from llm_stage.kv_cache import KVCache
-from llm_stage.scheduler import StepItem
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.scheduler import StepItem
 
 
 class AttentionBackend(Protocol):

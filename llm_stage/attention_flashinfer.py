@@ -24,9 +24,9 @@ from typing import Any
 import flashinfer
 import torch
 
-from llm_stage.kv_cache import KVCache
-from llm_stage.paged_layout import PagedLayout, paged_layout
-from llm_stage.scheduler import StepItem
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.paged_layout import PagedLayout, paged_layout
+from mmcache.llm_stage.scheduler import StepItem
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial results), one per backend
 

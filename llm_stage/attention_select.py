@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_stage.attention import AttentionBackend, SdpaBackend
-from llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.attention import AttentionBackend, SdpaBackend
+from mmcache.llm_stage.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def make_backend(
     """
     if choice.name == "flashinfer":
         try:
-            from llm_stage.attention_flashinfer import FlashInferBackend
+            from mmcache.llm_stage.attention_flashinfer import FlashInferBackend
 
             return FlashInferBackend(kv, num_heads, scaling, max_pages_per_seq), choice
         except Exception as exc:  # an import or CUDA error of the library: serve with SDPA instead

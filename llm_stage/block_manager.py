@@ -21,11 +21,11 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from llm_stage.prompt_logprobs import PromptLogprobStore
-from llm_stage.sequence import Sequence
-from shared.block_hash import BlockHash
-from shared.media_spans import chunk_places
-from shared.messages import MediaSpan
+from mmcache.llm_stage.prompt_logprobs import PromptLogprobStore
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import BlockHash
+from mmcache.shared.media_spans import chunk_places
+from mmcache.shared.messages import MediaSpan
 
 MAX_PARTIAL_CANDIDATES = 16  # children of one parent compared per match, most recent first
 

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-from llm_stage.model_runner import ModelRunner, fold_sin
-from llm_stage.paged_layout import PagedLayout, paged_layout
-from llm_stage.scheduler import StepItem
+from mmcache.llm_stage.model_runner import ModelRunner, fold_sin
+from mmcache.llm_stage.paged_layout import PagedLayout, paged_layout
+from mmcache.llm_stage.scheduler import StepItem
 
 log = logging.getLogger(__name__)
 

@@ -22,25 +22,25 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from llm_stage.attention_select import choose_backend, log_choice, make_backend
-from llm_stage.block_manager import BlockManager
-from llm_stage.cuda_graphs import build_graphs
-from llm_stage.faults import StepFaults
-from llm_stage.kv_cache import KVCache, kv_budget_bytes
-from llm_stage.kv_store import KVStore
-from llm_stage.kv_tier import KVTier, KVWanted
-from llm_stage.model_runner import ModelRunner
-from llm_stage.prompt_logprobs import K_MAX, PromptLogprobStore
-from llm_stage.sampler import sample_with_logprobs
-from llm_stage.scheduler import RowsWanted, Scheduler, StepOutput
-from llm_stage.sequence import MediaRows, SeqStatus, Sequence
-from llm_stage.text_model import TextLM
-from shared.block_hash import BlockHash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.kv_block_codec import KVLayout, StoredBlock
-from shared.messages import MediaSpan
-from shared.torch_utils import resolve_device, resolve_dtype
+from mmcache.llm_stage.attention_select import choose_backend, log_choice, make_backend
+from mmcache.llm_stage.block_manager import BlockManager
+from mmcache.llm_stage.cuda_graphs import build_graphs
+from mmcache.llm_stage.faults import StepFaults
+from mmcache.llm_stage.kv_cache import KVCache, kv_budget_bytes
+from mmcache.llm_stage.kv_store import KVStore
+from mmcache.llm_stage.kv_tier import KVTier, KVWanted
+from mmcache.llm_stage.model_runner import ModelRunner
+from mmcache.llm_stage.prompt_logprobs import K_MAX, PromptLogprobStore
+from mmcache.llm_stage.sampler import sample_with_logprobs
+from mmcache.llm_stage.scheduler import RowsWanted, Scheduler, StepOutput
+from mmcache.llm_stage.sequence import MediaRows, SeqStatus, Sequence
+from mmcache.llm_stage.text_model import TextLM
+from mmcache.shared.block_hash import BlockHash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.kv_block_codec import KVLayout, StoredBlock
+from mmcache.shared.messages import MediaSpan
+from mmcache.shared.torch_utils import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from llm_stage.engine import Engine, StepResult
-from llm_stage.metrics import LLMMetrics
+from mmcache.llm_stage.engine import Engine, StepResult
+from mmcache.llm_stage.metrics import LLMMetrics
 
 log = logging.getLogger(__name__)
 

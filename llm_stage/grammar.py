@@ -19,7 +19,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from shared.single_flight import SingleFlight
+from mmcache.shared.single_flight import SingleFlight
 
 _BITS = torch.arange(32, dtype=torch.int32)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.text_model import TextLM
+from mmcache.llm_stage.text_model import TextLM
 
 CUDA_MEMORY_FRACTION = 0.9  # of the device memory left free once the weights are loaded
 DEFAULT_CPU_GB = 0.5  # --kv-cache-gb when not given and not on CUDA

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import redis
 
-from llm_stage.block_manager import Block, BlockManager, block_media
-from llm_stage.kv_cache import KVCache
-from llm_stage.kv_store import KVStore
-from llm_stage.sequence import Sequence
-from shared.block_hash import BlockHash
-from shared.kv_block_codec import BadValue, KVLayout, StoredBlock, decode, encode
+from mmcache.llm_stage.block_manager import Block, BlockManager, block_media
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.kv_store import KVStore
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import BlockHash
+from mmcache.shared.kv_block_codec import BadValue, KVLayout, StoredBlock, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from llm_stage.media_fetch import ChunkRef
-from llm_stage.scheduler import StepOutput
-from llm_stage.sequence import Sequence
-from shared.keys import ChunkKey
-from shared.messages import ErrorReply, GenerateReply, Reencoded, TokenLogprobs
-from shared.rpc import Responder
+from mmcache.llm_stage.media_fetch import ChunkRef
+from mmcache.llm_stage.scheduler import StepOutput
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.keys import ChunkKey
+from mmcache.shared.messages import ErrorReply, GenerateReply, Reencoded, TokenLogprobs
+from mmcache.shared.rpc import Responder
 
 # NOTE: a request nobody reads token by token still reports its tokens every so often, so that if
 # this replica dies the processor moves it with its tokens so far instead of starting it again.

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.grammar import allowed_tokens
-from llm_stage.sequence import Sequence
+from mmcache.llm_stage.grammar import allowed_tokens
+from mmcache.llm_stage.sequence import Sequence
 
 
 def process(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.messages import TokenLogprobs
+from mmcache.shared.messages import TokenLogprobs
 
 MAX_LOGPROBS = 20  # most top entries a request may ask for (OpenAI's top_logprobs limit)
 # NOTE: JSON has no -inf: a token the distribution excludes (top-k, top-p, a grammar) reports this,

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from llm_stage.sequence import MediaRows
-from shared.keys import ChunkKey
-from shared.media_spans import ChunkPlace, chunk_places
-from shared.messages import FetchRequest, MediaSpan
-from shared.rpc import RemoteError, RpcClient
+from mmcache.llm_stage.sequence import MediaRows
+from mmcache.shared.keys import ChunkKey
+from mmcache.shared.media_spans import ChunkPlace, chunk_places
+from mmcache.shared.messages import FetchRequest, MediaSpan
+from mmcache.shared.rpc import RemoteError, RpcClient
 
 MAX_ENCODER_CLIENTS = 256  # encoder replicas this LLM replica keeps a socket to
 

@@ -11,13 +11,13 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from llm_stage.engine import Engine
-from llm_stage.live import LiveRequest
-from llm_stage.media_fetch import MediaFetcher
-from llm_stage.metrics import LLMMetrics
-from shared.config import LLMConfig
-from shared.keys import ChunkKey
-from shared.messages import ErrorReply, NeedEncode, ReleaseHandoff
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.live import LiveRequest
+from mmcache.llm_stage.media_fetch import MediaFetcher
+from mmcache.llm_stage.metrics import LLMMetrics
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.keys import ChunkKey
+from mmcache.shared.messages import ErrorReply, NeedEncode, ReleaseHandoff
 
 log = logging.getLogger(__name__)
 

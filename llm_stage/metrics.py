@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from llm_stage.scheduler import StepOutput
-from llm_stage.sequence import SeqStatus, Sequence
-from shared.messages import ErrorReply
-from shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Stats, StatsCollector
+from mmcache.llm_stage.scheduler import StepOutput
+from mmcache.llm_stage.sequence import SeqStatus, Sequence
+from mmcache.shared.messages import ErrorReply
+from mmcache.shared.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS, Family, Stats, StatsCollector
 
 FAMILIES = [
     Family(

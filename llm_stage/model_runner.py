@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llm_stage.attention import AttentionBackend, SdpaBackend
-from llm_stage.block_manager import BlockCopy
-from llm_stage.kv_cache import KVCache
-from llm_stage.prompt_logprobs import Scored, score
-from llm_stage.scheduler import StepItem
-from llm_stage.text_model import LayerWeights, TextLM, qk_norm_
-from llm_stage.visual_rows import VisualRows
+from mmcache.llm_stage.attention import AttentionBackend, SdpaBackend
+from mmcache.llm_stage.block_manager import BlockCopy
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.prompt_logprobs import Scored, score
+from mmcache.llm_stage.scheduler import StepItem
+from mmcache.llm_stage.text_model import LayerWeights, TextLM, qk_norm_
+from mmcache.llm_stage.visual_rows import VisualRows
 
 _Rope = tuple[torch.Tensor, torch.Tensor]  # cos and folded sin of every row, (rows, 1, head_dim)
 

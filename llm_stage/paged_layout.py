@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llm_stage.scheduler import StepItem
+from mmcache.llm_stage.scheduler import StepItem
 
 
 @dataclass(frozen=True, slots=True)

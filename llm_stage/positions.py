@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.messages import MediaSpan
+from mmcache.shared.messages import MediaSpan
 
 
 def mrope_positions(

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.block_manager import BlockManager, PrefixMatch
-from llm_stage.prompt_logprobs import K_MAX, entries
-from llm_stage.sequence import Sequence
-from shared.block_hash import BlockHash
-from shared.messages import TokenLogprobs
+from mmcache.llm_stage.block_manager import BlockManager, PrefixMatch
+from mmcache.llm_stage.prompt_logprobs import K_MAX, entries
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import BlockHash
+from mmcache.shared.messages import TokenLogprobs
 
 
 def match_with_logprobs(bm: BlockManager, seq: Sequence, hashes: list[BlockHash]) -> PrefixMatch:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_stage.logprobs import FLOOR, MAX_LOGPROBS
-from llm_stage.sequence import Sequence
-from shared.messages import TokenLogprobs
+from mmcache.llm_stage.logprobs import FLOOR, MAX_LOGPROBS
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.messages import TokenLogprobs
 
 K_MAX = MAX_LOGPROBS
 _PIECE_ROWS = 256  # prompt rows turned into logits at once: (rows, vocab) float32 stays small

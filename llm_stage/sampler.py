@@ -16,10 +16,10 @@ import hashlib
 
 import torch
 
-from llm_stage import logits_processors
-from llm_stage.logprobs import token_logprobs
-from llm_stage.sequence import Sequence
-from shared.messages import TokenLogprobs
+from mmcache.llm_stage import logits_processors
+from mmcache.llm_stage.logprobs import token_logprobs
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.messages import TokenLogprobs
 
 
 def sample_with_logprobs(

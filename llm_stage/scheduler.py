@@ -34,12 +34,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm_stage import prompt_logprob_blocks
-from llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
-from llm_stage.kv_tier import KVWanted
-from llm_stage.prompt_logprobs import Scored
-from llm_stage.sequence import SeqStatus, Sequence
-from shared.messages import TokenLogprobs
+from mmcache.llm_stage import prompt_logprob_blocks
+from mmcache.llm_stage.block_manager import BlockCopy, BlockManager, PrefixMatch
+from mmcache.llm_stage.kv_tier import KVWanted
+from mmcache.llm_stage.prompt_logprobs import Scored
+from mmcache.llm_stage.sequence import SeqStatus, Sequence
+from mmcache.shared.messages import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

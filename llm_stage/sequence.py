@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from llm_stage.positions import mrope_positions
-from shared.block_hash import BlockHash, block_hashes
-from shared.messages import MediaSpan, SamplingParams
+from mmcache.llm_stage.positions import mrope_positions
+from mmcache.shared.block_hash import BlockHash, block_hashes
+from mmcache.shared.messages import MediaSpan, SamplingParams
 
 
 class SeqStatus(Enum):

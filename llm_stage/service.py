@@ -23,24 +23,24 @@ from typing import Any
 
 import zmq
 
-from llm_stage.engine import Engine, StepResult
-from llm_stage.engine_loop import EngineLoop
-from llm_stage.grammar import GrammarCache, GrammarError
-from llm_stage.kv_cache import KVCache
-from llm_stage.kv_tier import KVWanted
-from llm_stage.live import LiveRequest, send_replies
-from llm_stage.media_fetch import MediaFetcher, chunk_refs
-from llm_stage.media_rows import RowSupply
-from llm_stage.metrics import LLMMetrics
-from llm_stage.scheduler import StepOutput
-from llm_stage.sequence import SeqStatus, Sequence
-from llm_stage.validate import RequestError, validate, validate_probe
-from shared.block_hash import BlockHash, block_hashes, root_hash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.keys import ChunkKey
-from shared.kv_block_codec import StoredBlock
-from shared.messages import (
+from mmcache.llm_stage.engine import Engine, StepResult
+from mmcache.llm_stage.engine_loop import EngineLoop
+from mmcache.llm_stage.grammar import GrammarCache, GrammarError
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.kv_tier import KVWanted
+from mmcache.llm_stage.live import LiveRequest, send_replies
+from mmcache.llm_stage.media_fetch import MediaFetcher, chunk_refs
+from mmcache.llm_stage.media_rows import RowSupply
+from mmcache.llm_stage.metrics import LLMMetrics
+from mmcache.llm_stage.scheduler import StepOutput
+from mmcache.llm_stage.sequence import SeqStatus, Sequence
+from mmcache.llm_stage.validate import RequestError, validate, validate_probe
+from mmcache.shared.block_hash import BlockHash, block_hashes, root_hash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.keys import ChunkKey
+from mmcache.shared.kv_block_codec import StoredBlock
+from mmcache.shared.messages import (
     Abort,
     ErrorReply,
     GenerateRequest,
@@ -52,9 +52,9 @@ from shared.messages import (
     Reencoded,
     ReleaseProbe,
 )
-from shared.metrics import MetricsServer
-from shared.rpc import Responder
-from shared.service import replica_id, run_stage, with_metrics_server
+from mmcache.shared.metrics import MetricsServer
+from mmcache.shared.rpc import Responder
+from mmcache.shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ KV_TIER_COUNTERS = (
     "kv_store_written_blocks",
     "kv_store_dropped_blocks",
 )
+
 
 class LLMService:
     def __init__(self, cfg: LLMConfig, engine: Engine, fetcher: MediaFetcher):
@@ -248,9 +249,7 @@ class LLMService:
             n = await self.engine.kv_tier.stored(hashes)
             stored = (first + n) * self.cfg.block_size if n else 0
         finally:
-            reply.send_nowait(
-                ProbeReply(cached, pin_id, self.engine.load, self.engine.max_model_len, stored)
-            )
+            reply.send_nowait(ProbeReply(cached, pin_id, self.engine.load, self.engine.max_model_len, stored))
 
     # --- generate -------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
-from shared.checkpoint import ModelSpec, load_weights, text_weight_name
-from shared.family import load_class
+from mmcache.shared.checkpoint import ModelSpec, load_weights, text_weight_name
+from mmcache.shared.family import load_class
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from llm_stage.logprobs import MAX_LOGPROBS
-from llm_stage.text_model import TextLM
-from shared.checkpoint import ModelSpec
-from shared.messages import GenerateRequest, MediaSpan, ProbeRequest
+from mmcache.llm_stage.logprobs import MAX_LOGPROBS
+from mmcache.llm_stage.text_model import TextLM
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.messages import GenerateRequest, MediaSpan, ProbeRequest
 
 
 class RequestError(ValueError):

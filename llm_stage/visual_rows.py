@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm_stage.sequence import MediaRows
+from mmcache.llm_stage.sequence import MediaRows
 
 
 @dataclass(slots=True)

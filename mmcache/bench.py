@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def _modules() -> tuple[str, ...]:
-    from benchmarks import MODULES
+    from mmcache.benchmarks import MODULES
 
     return MODULES
 
@@ -46,7 +46,7 @@ def run_benchmarks(
         print(f"=== benchmark {name}{' (quick)' if quick else ''} ===", flush=True)
         start = time.perf_counter()
         try:
-            results = importlib.import_module(f"benchmarks.{name}").run(quick=quick)
+            results = importlib.import_module(f"mmcache.benchmarks.{name}").run(quick=quick)
         except Exception:
             traceback.print_exc()
             failed.append(name)

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmcache.shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
 from mmcache.tiny_model import PRESETS, TINY_MODEL_ARCHS
-from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command in ("serve", "processor", "encoder", "llm"):
-        from shared.loop_socket import heartbeat_timeout_ms
+        from mmcache.shared.loop_socket import heartbeat_timeout_ms
 
         try:
             heartbeat_timeout_ms()  # a bad MMCACHE_HEARTBEAT_TIMEOUT stops a stage here, named
@@ -79,15 +79,15 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(serve(args))
     elif args.command == "processor":
-        from processor.app import run as run_processor
+        from mmcache.processor.app import run as run_processor
 
         run_processor(from_args(ProcessorConfig, args))
     elif args.command == "encoder":
-        from encoder_stage.service import run as run_encoder
+        from mmcache.encoder_stage.service import run as run_encoder
 
         run_encoder(from_args(EncoderConfig, args))
     elif args.command == "llm":
-        from llm_stage.service import run as run_llm
+        from mmcache.llm_stage.service import run as run_llm
 
         run_llm(from_args(LLMConfig, args))
     elif args.command == "make-tiny-model":

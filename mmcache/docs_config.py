@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, env_name, flag_name
+from mmcache.shared.config import EncoderConfig, LLMConfig, ProcessorConfig, env_name, flag_name
 
 PAGE = Path("docs") / "configuration.md"
 

@@ -21,7 +21,14 @@ from pathlib import Path
 
 from mmcache import kv_store_server
 from mmcache.placement import STAGES, Placement, place
-from shared.config import EncoderConfig, LLMConfig, ProcessorConfig, add_arguments, from_args, to_flags
+from mmcache.shared.config import (
+    EncoderConfig,
+    LLMConfig,
+    ProcessorConfig,
+    add_arguments,
+    from_args,
+    to_flags,
+)
 
 log = logging.getLogger("mmcache.serve")
 

@@ -6,8 +6,8 @@ import asyncio
 
 import zmq.asyncio
 
-from shared.messages import Ping, Pong
-from shared.rpc import RpcClient
+from mmcache.shared.messages import Ping, Pong
+from mmcache.shared.rpc import RpcClient
 
 
 async def _ping(address: str, timeout: float) -> Pong:

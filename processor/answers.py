@@ -7,13 +7,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from processor.completions import CompletionsAnswer, parse_completions
-from processor.errors import APIError, bad_request
-from processor.generation import Engine
-from processor.request import parse_chat_request
-from processor.response_store import ResponseStore
-from processor.responses import Completion
-from processor.responses_api import ResponseRender, parse_responses
+from mmcache.processor.completions import CompletionsAnswer, parse_completions
+from mmcache.processor.errors import APIError, bad_request
+from mmcache.processor.generation import Engine
+from mmcache.processor.request import parse_chat_request
+from mmcache.processor.response_store import ResponseStore
+from mmcache.processor.responses import Completion
+from mmcache.processor.responses_api import ResponseRender, parse_responses
 
 Answer = Callable[[Any, Mapping[str, memoryview]], Awaitable[dict]]
 

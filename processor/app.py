@@ -16,34 +16,34 @@ import zmq
 from aiohttp import BodyPartReader, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from processor.answers import Answers
-from processor.batch_jobs import BatchJobs
-from processor.body import load_body
-from processor.choices import choices
-from processor.completions import CompletionsAnswer, parse_completions
-from processor.cors import setup_cors
-from processor.dispatch import Dispatcher
-from processor.errors import APIError, bad_request, error_body, error_middleware
-from processor.files import FileStore
-from processor.generation import Engine
-from processor.http_fetch import HttpFetcher, parse_networks
-from processor.media_source import MediaSource
-from processor.metrics import ProcessorMetrics
-from processor.pipeline import Pipeline
-from processor.preprocess import Preprocessor
-from processor.priority import Interactive
-from processor.prompt import PromptBuilder
-from processor.request import parse_chat_request
-from processor.request_log import RECORD, RequestRecord, request_middleware
-from processor.response_store import ResponseStore
-from processor.responses import SSE_DONE, Completion, model_card, sse
-from processor.responses_api import ResponseRender, parse_responses
-from processor.stages import StageClients
-from processor.tokenize import detokenize, tokenize
-from shared.checkpoint import ModelSpec
-from shared.config import ProcessorConfig, split_list
-from shared.messages import GenerateReply
-from shared.metrics import metrics_url
+from mmcache.processor.answers import Answers
+from mmcache.processor.batch_jobs import BatchJobs
+from mmcache.processor.body import load_body
+from mmcache.processor.choices import choices
+from mmcache.processor.completions import CompletionsAnswer, parse_completions
+from mmcache.processor.cors import setup_cors
+from mmcache.processor.dispatch import Dispatcher
+from mmcache.processor.errors import APIError, bad_request, error_body, error_middleware
+from mmcache.processor.files import FileStore
+from mmcache.processor.generation import Engine
+from mmcache.processor.http_fetch import HttpFetcher, parse_networks
+from mmcache.processor.media_source import MediaSource
+from mmcache.processor.metrics import ProcessorMetrics
+from mmcache.processor.pipeline import Pipeline
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.processor.priority import Interactive
+from mmcache.processor.prompt import PromptBuilder
+from mmcache.processor.request import parse_chat_request
+from mmcache.processor.request_log import RECORD, RequestRecord, request_middleware
+from mmcache.processor.response_store import ResponseStore
+from mmcache.processor.responses import SSE_DONE, Completion, model_card, sse
+from mmcache.processor.responses_api import ResponseRender, parse_responses
+from mmcache.processor.stages import StageClients
+from mmcache.processor.tokenize import detokenize, tokenize
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import ProcessorConfig, split_list
+from mmcache.shared.messages import GenerateReply
+from mmcache.shared.metrics import metrics_url
 
 log = logging.getLogger(__name__)
 
@@ -663,7 +663,7 @@ def _unknown_model(name: str, served: str, param: str | None) -> APIError:
 
 def run(cfg: ProcessorConfig) -> None:
     if cfg.workers > 1:
-        from processor.workers import run_workers
+        from mmcache.processor.workers import run_workers
 
         raise SystemExit(run_workers(cfg))
     serve(cfg)
@@ -671,9 +671,9 @@ def run(cfg: ProcessorConfig) -> None:
 
 def serve(cfg: ProcessorConfig, reuse_port: bool = False) -> None:
     """One processor process; with ``reuse_port`` it shares the port with its sibling workers."""
-    from shared.logs import setup_logging
-    from shared.metrics import setup_metrics
-    from shared.torch_utils import set_threads
+    from mmcache.shared.logs import setup_logging
+    from mmcache.shared.metrics import setup_metrics
+    from mmcache.shared.torch_utils import set_threads
 
     setup_logging("processor", cfg.log_format)
     setup_metrics()

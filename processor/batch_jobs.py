@@ -28,11 +28,11 @@ from typing import Any
 
 import orjson
 
-from processor.answers import Answer
-from processor.body import load_body
-from processor.errors import APIError, bad_request
-from processor.files import FileStore, write_atomic
-from processor.priority import Interactive
+from mmcache.processor.answers import Answer
+from mmcache.processor.body import load_body
+from mmcache.processor.errors import APIError, bad_request
+from mmcache.processor.files import FileStore, write_atomic
+from mmcache.processor.priority import Interactive
 
 log = logging.getLogger(__name__)
 

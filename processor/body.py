@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from processor.errors import bad_request
+from mmcache.processor.errors import bad_request
 
 HeldUrls = dict[str, memoryview]  # placeholder → the URL's raw bytes, as sent
 

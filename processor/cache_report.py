@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.keys import ChunkKey
+from mmcache.shared.keys import ChunkKey
 
 ChunkFate = Literal["encoder_hits", "encoder_misses", "prefix_skipped"]
 FIELDS = ("processor_hits", "processor_misses", "encoder_hits", "encoder_misses", "prefix_skipped")

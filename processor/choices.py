@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
 
-from processor.dispatch import Dispatcher
-from processor.pipeline import Prepared
-from shared.messages import GenerateReply
+from mmcache.processor.dispatch import Dispatcher
+from mmcache.processor.pipeline import Prepared
+from mmcache.shared.messages import GenerateReply
 
 _DONE = object()
 

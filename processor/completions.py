@@ -16,11 +16,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from processor import logprobs as lp_shapes
-from processor.errors import bad_request
-from processor.generation import Engine
-from processor.request import ChatRequest, parse_chat_request
-from processor.responses import Completion
+from mmcache.processor import logprobs as lp_shapes
+from mmcache.processor.errors import bad_request
+from mmcache.processor.generation import Engine
+from mmcache.processor.request import ChatRequest, parse_chat_request
+from mmcache.processor.responses import Completion
 
 MAX_PROMPTS = 16  # most prompts in one request
 MAX_LEGACY_LOGPROBS = 5  # OpenAI's limit for the legacy ``logprobs``

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from processor.errors import error_response
+from mmcache.processor.errors import error_response
 
 _METHODS = "GET, POST, OPTIONS"
 _MAX_AGE = "600"  # seconds a browser may reuse a preflight answer

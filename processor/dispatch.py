@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from processor.cache_report import ChunkFate
-from processor.errors import APIError
-from processor.pipeline import Prepared, sampling_params
-from processor.preprocess import Chunk
-from processor.stages import Route, StageClients
-from shared.keys import ChunkKey
-from shared.media_spans import ChunkPlace, chunk_places
-from shared.messages import (
+from mmcache.processor.cache_report import ChunkFate
+from mmcache.processor.errors import APIError
+from mmcache.processor.pipeline import Prepared, sampling_params
+from mmcache.processor.preprocess import Chunk
+from mmcache.processor.stages import Route, StageClients
+from mmcache.shared.keys import ChunkKey
+from mmcache.shared.media_spans import ChunkPlace, chunk_places
+from mmcache.shared.messages import (
     EncodeItem,
     EncodeRequest,
     GenerateReply,
@@ -37,7 +37,7 @@ from shared.messages import (
     ProbeRequest,
     Reencoded,
 )
-from shared.rpc import RemoteError
+from mmcache.shared.rpc import RemoteError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-from processor.errors import APIError
+from mmcache.processor.errors import APIError
 
 _ID = re.compile(r"^file-[0-9a-f]{32}$")
 PURPOSES = ("batch", "batch_output")

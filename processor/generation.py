@@ -12,12 +12,12 @@ import secrets
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from processor.choices import choices
-from processor.dispatch import Dispatcher
-from processor.pipeline import Pipeline, Prepared
-from processor.request import ChatRequest
-from processor.responses import Completion
-from shared.messages import GenerateReply
+from mmcache.processor.choices import choices
+from mmcache.processor.dispatch import Dispatcher
+from mmcache.processor.pipeline import Pipeline, Prepared
+from mmcache.processor.request import ChatRequest
+from mmcache.processor.responses import Completion
+from mmcache.shared.messages import GenerateReply
 
 
 @dataclass(frozen=True, slots=True)

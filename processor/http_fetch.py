@@ -18,7 +18,7 @@ from urllib.parse import urljoin, urlsplit
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
-from processor.errors import bad_request
+from mmcache.processor.errors import bad_request
 
 _Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 _Addr = ipaddress.IPv4Address | ipaddress.IPv6Address

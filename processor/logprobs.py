@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.messages import TokenLogprobs
+from mmcache.shared.messages import TokenLogprobs
 
 _MAX_CACHED = 4096  # decoded tokens kept per response (bounded: a prompt may hold many distinct ids)
 

@@ -15,9 +15,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from processor.preprocess import MediaLayout
-from shared.keys import MediaKey
-from shared.single_flight import SingleFlight
+from mmcache.processor.preprocess import MediaLayout
+from mmcache.shared.keys import MediaKey
+from mmcache.shared.single_flight import SingleFlight
 
 Make = Callable[[], Awaitable[MediaLayout]]
 

@@ -15,7 +15,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from processor.errors import bad_request
+from mmcache.processor.errors import bad_request
 
 # NOTE: we enforce our own pixel limit before decoding; pillow's warning would only be noise.
 Image.MAX_IMAGE_PIXELS = None

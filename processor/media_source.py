@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from processor.errors import APIError, bad_request
-from processor.http_fetch import HttpFetcher
+from mmcache.processor.errors import APIError, bad_request
+from mmcache.processor.http_fetch import HttpFetcher
 
 # A file whose status changed this recently may change again within the same timestamp tick
 # (file times are coarse), so its signature is not trusted yet (git's "racily clean" rule).

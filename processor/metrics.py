@@ -21,8 +21,8 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from processor.request_log import RequestRecord
-from shared.metrics import LATENCY_BUCKETS
+from mmcache.processor.request_log import RequestRecord
+from mmcache.shared.metrics import LATENCY_BUCKETS
 
 # Gauges of one worker add up to the whole (each worker has its own cache); dead workers drop out.
 _SUM: Final = "livesum"

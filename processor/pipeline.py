@@ -14,17 +14,17 @@ import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from processor.cache_report import CacheReport
-from processor.errors import bad_request
-from processor.media_cache import MediaCache
-from processor.media_decode import DecodeLimits, decode_image, decode_video
-from processor.media_source import LocalFile, MediaSource
-from processor.preprocess import MediaLayout, Preprocessor
-from processor.prompt import PromptBuilder
-from processor.request import ChatRequest, MediaRef
-from shared.config import ProcessorConfig
-from shared.keys import MediaKey, data_url_alias, file_alias, media_key, uuid_media_key
-from shared.messages import MediaSpan, SamplingParams
+from mmcache.processor.cache_report import CacheReport
+from mmcache.processor.errors import bad_request
+from mmcache.processor.media_cache import MediaCache
+from mmcache.processor.media_decode import DecodeLimits, decode_image, decode_video
+from mmcache.processor.media_source import LocalFile, MediaSource
+from mmcache.processor.preprocess import MediaLayout, Preprocessor
+from mmcache.processor.prompt import PromptBuilder
+from mmcache.processor.request import ChatRequest, MediaRef
+from mmcache.shared.config import ProcessorConfig
+from mmcache.shared.keys import MediaKey, data_url_alias, file_alias, media_key, uuid_media_key
+from mmcache.shared.messages import MediaSpan, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoVideoProcessor
 
-from processor.media_decode import DecodedVideo
-from shared.family import video_timestamps
-from shared.keys import ChunkKey, Fingerprint, chunk_key, fingerprint
+from mmcache.processor.media_decode import DecodedVideo
+from mmcache.shared.family import video_timestamps
+from mmcache.shared.keys import ChunkKey, Fingerprint, chunk_key, fingerprint
 
 
 @dataclass(frozen=True, slots=True)

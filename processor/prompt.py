@@ -13,11 +13,11 @@ from functools import lru_cache
 
 from transformers import AutoProcessor
 
-from processor.errors import bad_request
-from processor.preprocess import MediaLayout
-from shared.checkpoint import ModelSpec
-from shared.family import timestamp_text
-from shared.messages import MediaSpan
+from mmcache.processor.errors import bad_request
+from mmcache.processor.preprocess import MediaLayout
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.family import timestamp_text
+from mmcache.shared.messages import MediaSpan
 
 
 class PromptBuilder:

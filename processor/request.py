@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from processor.errors import bad_request
-from processor.structured import response_format_grammar, tool_call_grammar
-from processor.tools import Tools, parse_tools, template_tool_calls
+from mmcache.processor.errors import bad_request
+from mmcache.processor.structured import response_format_grammar, tool_call_grammar
+from mmcache.processor.tools import Tools, parse_tools, template_tool_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import xxhash
 from aiohttp import web
 
-from processor.errors import APIError
+from mmcache.processor.errors import APIError
 
 log = logging.getLogger("mmcache.request")
 

@@ -8,13 +8,13 @@ import uuid
 import orjson
 from aiohttp import web
 
-from processor import logprobs as lp_shapes
-from processor.detokenizer import Detokenizer
-from processor.pipeline import Prepared
-from processor.request import ChatRequest
-from processor.request_log import RequestRecord
-from processor.tool_stream import ToolCall, ToolStream, split_tool_calls
-from shared.messages import GenerateReply
+from mmcache.processor import logprobs as lp_shapes
+from mmcache.processor.detokenizer import Detokenizer
+from mmcache.processor.pipeline import Prepared
+from mmcache.processor.request import ChatRequest
+from mmcache.processor.request_log import RequestRecord
+from mmcache.processor.tool_stream import ToolCall, ToolStream, split_tool_calls
+from mmcache.shared.messages import GenerateReply
 
 SSE_DONE = b"data: [DONE]\n\n"
 

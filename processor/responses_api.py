@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from processor.errors import APIError, bad_request
-from processor.request import ChatRequest, parse_chat_request
-from processor.response_store import ResponseStore
-from processor.responses import Completion
+from mmcache.processor.errors import APIError, bad_request
+from mmcache.processor.request import ChatRequest, parse_chat_request
+from mmcache.processor.response_store import ResponseStore
+from mmcache.processor.responses import Completion
 
 # Request fields this server reads; any other field that is set is refused with a 400 naming it.
 SUPPORTED = {

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from shared.block_hash import block_hashes, root_hash
-from shared.discovery import PING_TIMEOUT, Replica, ReplicaSet, Resolver, dns_resolve
-from shared.keys import Fingerprint
-from shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
-from shared.routing import weight
-from shared.rpc import RpcClient
+from mmcache.shared.block_hash import block_hashes, root_hash
+from mmcache.shared.discovery import PING_TIMEOUT, Replica, ReplicaSet, Resolver, dns_resolve
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
+from mmcache.shared.routing import weight
+from mmcache.shared.rpc import RpcClient
 
 MAX_PROBES = 4  # LLM replicas probed per request; with more, the prompt's rendezvous top four
 

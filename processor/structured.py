@@ -15,7 +15,7 @@ import llguidance
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs only
 
-from processor.errors import bad_request
+from mmcache.processor.errors import bad_request
 
 # NOTE: compact JSON (", " and ": " and no other whitespace): free whitespace is valid JSON, but a
 # small or random model then spends its tokens on it.

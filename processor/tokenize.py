@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from processor.errors import bad_request
-from processor.generation import Engine
-from processor.request import parse_chat_request
+from mmcache.processor.errors import bad_request
+from mmcache.processor.generation import Engine
+from mmcache.processor.request import parse_chat_request
 
 MAX_DETOKENIZE = 1 << 20  # most token ids one /detokenize takes
 

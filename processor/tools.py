@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from processor.errors import bad_request
+from mmcache.processor.errors import bad_request
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

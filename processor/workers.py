@@ -19,9 +19,9 @@ import os
 import signal
 import tempfile
 
-from shared.config import ProcessorConfig
+from mmcache.shared.config import ProcessorConfig
 
-log = logging.getLogger("processor.workers")
+log = logging.getLogger("mmcache.processor.workers")
 
 GRACE_SECONDS = 10.0  # a worker that has not stopped this long after SIGTERM is killed
 _PR_SET_PDEATHSIG = 1
@@ -30,7 +30,7 @@ _PR_SET_PDEATHSIG = 1
 def _worker(cfg: ProcessorConfig) -> None:
     # NOTE: a worker dies with its parent, even one killed with SIGKILL: no orphan keeps the port.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    from processor.app import serve
+    from mmcache.processor.app import serve
 
     serve(cfg, reuse_port=True)
 
@@ -42,7 +42,7 @@ def run_workers(cfg: ProcessorConfig) -> int:
     scrape of any worker reports all of them: ``PROMETHEUS_MULTIPROC_DIR`` when set, else a fresh
     one that lives as long as this parent.
     """
-    from shared.logs import setup_logging
+    from mmcache.shared.logs import setup_logging
 
     setup_logging("processor", cfg.log_format)
     with contextlib.ExitStack() as stack:

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import xxhash
 
-from shared.keys import BlockHash, Fingerprint, hash_fields, salt_bytes
-from shared.media_spans import chunk_places
-from shared.messages import MediaSpan
+from mmcache.shared.keys import BlockHash, Fingerprint, hash_fields, salt_bytes
+from mmcache.shared.media_spans import chunk_places
+from mmcache.shared.messages import MediaSpan
 
 KEY_BYTES = 16
 

@@ -18,8 +18,8 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from shared.family import FAMILIES, ModelFamily
-from shared.keys import Fingerprint, fingerprint
+from mmcache.shared.family import FAMILIES, ModelFamily
+from mmcache.shared.keys import Fingerprint, fingerprint
 
 ARCHS = {f.model_type: f.arch for f in FAMILIES.values()}
 

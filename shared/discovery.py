@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from shared.messages import Ping, Pong
-from shared.routing import weight
-from shared.rpc import RpcClient
+from mmcache.shared.messages import Ping, Pong
+from mmcache.shared.routing import weight
+from mmcache.shared.rpc import RpcClient
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from shared.keys import BlockHash, Fingerprint, hash_fields
+from mmcache.shared.keys import BlockHash, Fingerprint, hash_fields
 
 MAGIC = b"MMKV"
 VERSION = 1

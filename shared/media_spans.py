@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from shared.keys import ChunkKey
-from shared.messages import MediaSpan
+from mmcache.shared.keys import ChunkKey
+from mmcache.shared.messages import MediaSpan
 
 
 @dataclass(frozen=True, slots=True)

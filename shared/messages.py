@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.keys import BlockHash, ChunkKey
-from shared.wire import message
+from mmcache.shared.keys import BlockHash, ChunkKey
+from mmcache.shared.wire import message
 
 # --- control (every stage) ---------------------------------------------------
 

@@ -18,9 +18,9 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from shared.loop_socket import LoopSocket
-from shared.messages import Abort, ErrorReply
-from shared.wire import decode, encode, peek_rid
+from mmcache.shared.loop_socket import LoopSocket
+from mmcache.shared.messages import Abort, ErrorReply
+from mmcache.shared.wire import decode, encode, peek_rid
 
 log = logging.getLogger(__name__)
 

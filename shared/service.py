@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import zmq
 
-from shared.logs import setup_logging
-from shared.metrics import MetricsServer, setup_metrics
-from shared.rpc import Handler, QuickHandler, Responder, RpcServer
+from mmcache.shared.logs import setup_logging
+from mmcache.shared.metrics import MetricsServer, setup_metrics
+from mmcache.shared.rpc import Handler, QuickHandler, Responder, RpcServer
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ async def with_metrics_server(service: StageService, port: int) -> tuple[Handler
 
 def run_stage(name: str, bind: str, torch_threads: int, make_handler, log_format: str = "text") -> None:
     """The body of ``mmcache encoder|llm``: logging, CPU threads, then :func:`serve` until a signal."""
-    from shared.torch_utils import set_threads
+    from mmcache.shared.torch_utils import set_threads
 
     setup_logging(name, log_format)
     setup_metrics()

@@ -7,8 +7,8 @@ import asyncio
 
 import zmq
 
-from shared.messages import Ping, Pong
-from shared.rpc import Responder, RpcServer
+from mmcache.shared.messages import Ping, Pong
+from mmcache.shared.rpc import Responder, RpcServer
 
 
 class FakeReplica:

@@ -8,7 +8,7 @@ import pkgutil
 
 import pytest
 
-import benchmarks
+from mmcache import benchmarks
 
 MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__, "benchmarks."))
 
@@ -26,7 +26,7 @@ def test_benchmark_imports(name):
 def test_the_metrics_benchmark_runs_against_the_metrics_as_they_are():
     """It feeds the stages' metrics hand-made stats (well under a second): a key they read and
     it lacks would crash it, as happened when metrics were added."""
-    from benchmarks import metrics
+    from mmcache.benchmarks import metrics
 
     results = metrics.run(quick=True)
     assert {r.name for r in results} >= {"metrics.processor_request", "metrics.llm_step"}

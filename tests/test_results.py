@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import re
 
-from benchmarks.common import Result
 from mmcache.bench import _save
+from mmcache.benchmarks.common import Result
 from mmcache.results import REQUIRED, record, write
 
 

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from shared.messages import Ping
-from shared.rpc import RpcClient
+from mmcache.shared.messages import Ping
+from mmcache.shared.rpc import RpcClient
 from tests.e2e.streams import (
     KillWindow,
     Started,

@@ -18,8 +18,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmcache.scrape import Samples, endpoints, fetch_text, scrape_endpoints
-from shared.messages import ErrorReply, GenerateRequest, SamplingParams
-from shared.rpc import RemoteError, RpcClient
+from mmcache.shared.messages import ErrorReply, GenerateRequest, SamplingParams
+from mmcache.shared.rpc import RemoteError, RpcClient
 from tests.e2e.server import serving
 from tests.e2e.util import image_part
 from tests.media import image_bytes

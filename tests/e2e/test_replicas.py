@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from mmcache.scrape import Samples, endpoints, scrape_endpoints
-from shared.routing import rendezvous
+from mmcache.shared.routing import rendezvous
 from tests.e2e.server import free_port, stage_env, wait_healthy
 from tests.e2e.util import chat, image_part, tokens
 from tests.media import image_bytes

@@ -13,8 +13,8 @@ import pytest
 import torch
 import zmq.asyncio
 
-from shared.messages import GenerateRequest, Ping, SamplingParams
-from shared.rpc import RpcClient
+from mmcache.shared.messages import GenerateRequest, Ping, SamplingParams
+from mmcache.shared.rpc import RpcClient
 from tests.e2e.server import free_port, stage_env
 
 pytestmark = pytest.mark.e2e

@@ -8,12 +8,12 @@ import io
 import torch
 from PIL import Image
 
-from encoder_stage.embedding_cache import EmbeddingCache
-from encoder_stage.vision import VisionInput, VisionTower
-from processor.preprocess import Preprocessor
-from shared import wire
-from shared.checkpoint import ModelSpec
-from shared.messages import FetchReply
+from mmcache.encoder_stage.embedding_cache import EmbeddingCache
+from mmcache.encoder_stage.vision import VisionInput, VisionTower
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.shared import wire
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.messages import FetchReply
 from tests.media import image_bytes
 
 

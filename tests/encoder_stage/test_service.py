@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from encoder_stage.service import EncoderService, default_batch_tokens
-from encoder_stage.vision import VisionTower
-from shared.checkpoint import ModelSpec
-from shared.config import EncoderConfig
+from mmcache.encoder_stage.service import EncoderService, default_batch_tokens
+from mmcache.encoder_stage.vision import VisionTower
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import EncoderConfig
 
 
 def test_batch_budget_is_small_on_cpu_unless_set(tiny_model):

@@ -15,10 +15,10 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import VisionInput, VisionTower
-from processor.media_decode import DecodedVideo
-from processor.preprocess import Preprocessor
-from shared.checkpoint import ModelSpec
+from mmcache.encoder_stage.vision import VisionInput, VisionTower
+from mmcache.processor.media_decode import DecodedVideo
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.shared.checkpoint import ModelSpec
 from tests.media import decode_all_frames, image_bytes, video_bytes
 
 ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llm_stage.kv_cache import KVCache
-from llm_stage.paged_layout import PagedLayout, paged_layout
-from llm_stage.scheduler import StepItem
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.paged_layout import PagedLayout, paged_layout
+from mmcache.llm_stage.scheduler import StepItem
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.block_manager import BlockCopy, BlockManager
-from llm_stage.scheduler import Scheduler
-from llm_stage.sequence import MediaRows, Sequence
-from shared.block_hash import root_hash
-from shared.keys import Fingerprint
-from shared.messages import MediaSpan, SamplingParams
+from mmcache.llm_stage.block_manager import BlockCopy, BlockManager
+from mmcache.llm_stage.scheduler import Scheduler
+from mmcache.llm_stage.sequence import MediaRows, Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import MediaSpan, SamplingParams
 
 B = 4
 ROOT = root_hash(Fingerprint(b"\x07" * 16), None)

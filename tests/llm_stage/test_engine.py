@@ -15,14 +15,14 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import VisionInput, VisionTower
-from llm_stage.engine import Engine
-from llm_stage.sequence import MediaRows, Sequence
-from processor.preprocess import Preprocessor
-from shared.block_hash import root_hash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.messages import MediaSpan, SamplingParams
+from mmcache.encoder_stage.vision import VisionInput, VisionTower
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.sequence import MediaRows, Sequence
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.messages import MediaSpan, SamplingParams
 from tests.hf_reference import reference_device
 from tests.media import image_bytes
 

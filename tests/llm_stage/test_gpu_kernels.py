@@ -16,17 +16,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llm_stage.attention import SdpaBackend
-from llm_stage.attention_select import choose_backend, flashinfer_importable
-from llm_stage.engine import Engine
-from llm_stage.kv_cache import KVCache
-from llm_stage.scheduler import StepItem
-from llm_stage.sequence import Sequence
-from shared.block_hash import root_hash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.keys import Fingerprint
-from shared.messages import SamplingParams
+from mmcache.llm_stage.attention import SdpaBackend
+from mmcache.llm_stage.attention_select import choose_backend, flashinfer_importable
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.scheduler import StepItem
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_flashinfer = pytest.mark.skipif(
@@ -104,7 +104,7 @@ def seq_over(table: list[int], length: int, seq_id: int) -> Sequence:
 @needs_flashinfer
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(14, 2, 64), (12, 2, 128), (8, 8, 128)])
 def test_flashinfer_attends_as_sdpa_over_the_same_pool(heads, kv_heads, head_dim):
-    from llm_stage.attention_flashinfer import FlashInferBackend
+    from mmcache.llm_stage.attention_flashinfer import FlashInferBackend
 
     torch.manual_seed(0)
     dev, dtype, bs, blocks = torch.device("cuda"), torch.bfloat16, 16, 64

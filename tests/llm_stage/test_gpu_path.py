@@ -12,21 +12,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llm_stage.attention import SdpaBackend
-from llm_stage.attention_select import BackendChoice, choose_backend, log_choice, make_backend
-from llm_stage.cuda_graphs import DecodeGraphs, bucket, build_graphs, capture_sizes, is_decode_only
-from llm_stage.engine import Engine
-from llm_stage.kv_cache import KVCache
-from llm_stage.model_runner import ModelRunner
-from llm_stage.paged_layout import paged_layout
-from llm_stage.scheduler import StepItem
-from llm_stage.sequence import Sequence
-from llm_stage.text_model import TextLM
-from shared.block_hash import root_hash
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig, add_arguments, from_args
-from shared.keys import Fingerprint
-from shared.messages import SamplingParams
+from mmcache.llm_stage.attention import SdpaBackend
+from mmcache.llm_stage.attention_select import BackendChoice, choose_backend, log_choice, make_backend
+from mmcache.llm_stage.cuda_graphs import DecodeGraphs, bucket, build_graphs, capture_sizes, is_decode_only
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.model_runner import ModelRunner
+from mmcache.llm_stage.paged_layout import paged_layout
+from mmcache.llm_stage.scheduler import StepItem
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.llm_stage.text_model import TextLM
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig, add_arguments, from_args
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import SamplingParams
 from tests.llm_stage.paged_reference import PagedReference
 
 CUDA = torch.device("cuda")
@@ -67,7 +67,7 @@ def test_sdpa_is_taken_when_asked_even_where_flashinfer_runs():
 def test_flashinfer_asked_for_where_it_cannot_run_falls_back_with_a_warning(caplog):
     choice = choose_backend("flashinfer", CPU, torch.float32, 32, always)
     assert choice.name == "sdpa" and choice.fell_back
-    with caplog.at_level(logging.INFO, logger="llm_stage.attention_select"):
+    with caplog.at_level(logging.INFO, logger="mmcache.llm_stage.attention_select"):
         log_choice(choice)
     (record,) = caplog.records
     assert record.levelno == logging.WARNING

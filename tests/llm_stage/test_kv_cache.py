@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.kv_cache import CUDA_MEMORY_FRACTION, DEFAULT_CPU_GB, kv_budget_bytes
+from mmcache.llm_stage.kv_cache import CUDA_MEMORY_FRACTION, DEFAULT_CPU_GB, kv_budget_bytes
 
 GIB = 1 << 30
 

@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from llm_stage.engine import Engine
-from llm_stage.kv_store import RETRY_SECONDS
 from mmcache.kv_store_server import RedisServer
-from shared.block_hash import root_hash
-from shared.kv_block_codec import KVLayout, StoredBlock, encode
-from shared.messages import SamplingParams
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.kv_store import RETRY_SECONDS
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.kv_block_codec import KVLayout, StoredBlock, encode
+from mmcache.shared.messages import SamplingParams
 from tests.llm_stage.test_engine import TEXT, Env, Prompt, build_env, env, make_engine, make_prompt, make_seq  # noqa: F401
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -5,13 +5,13 @@ can be cancelled while it waits."""
 
 from __future__ import annotations
 
-from llm_stage.block_manager import BlockManager
-from llm_stage.kv_tier import KVWanted
-from llm_stage.scheduler import Scheduler, StepPlan
-from llm_stage.sequence import SeqStatus, Sequence
-from shared.block_hash import root_hash
-from shared.keys import Fingerprint
-from shared.messages import SamplingParams
+from mmcache.llm_stage.block_manager import BlockManager
+from mmcache.llm_stage.kv_tier import KVWanted
+from mmcache.llm_stage.scheduler import Scheduler, StepPlan
+from mmcache.llm_stage.sequence import SeqStatus, Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import SamplingParams
 
 B = 4
 ROOT = root_hash(Fingerprint(b"\x09" * 16), None)

@@ -12,11 +12,11 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from llm_stage import logits_processors
-from llm_stage.sampler import sample_with_logprobs
-from llm_stage.sequence import Sequence
-from shared.block_hash import root_hash
-from shared.messages import SamplingParams
+from mmcache.llm_stage import logits_processors
+from mmcache.llm_stage.sampler import sample_with_logprobs
+from mmcache.llm_stage.sequence import Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.messages import SamplingParams
 
 VOCAB = 64
 EOS = 7

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_stage.logprobs import FLOOR, token_logprobs
+from mmcache.llm_stage.logprobs import FLOOR, token_logprobs
 
 
 def test_rows_keep_their_own_k_and_rank() -> None:

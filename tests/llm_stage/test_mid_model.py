@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from encoder_stage.vision import VisionTower
-from processor.preprocess import Preprocessor
-from shared.checkpoint import ModelSpec
-from shared.messages import SamplingParams
+from mmcache.encoder_stage.vision import VisionTower
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.messages import SamplingParams
 from tests.llm_stage.test_engine import Env, hf_greedy, make_engine, make_prompt, make_seq, run
 
 MAX_NEW = 8

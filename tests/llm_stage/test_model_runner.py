@@ -7,9 +7,9 @@ from dataclasses import replace
 import torch
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
-from llm_stage.model_runner import fold_sin, rotate_
-from llm_stage.text_model import TextLM, qk_norm_
-from shared.checkpoint import ModelSpec
+from mmcache.llm_stage.model_runner import fold_sin, rotate_
+from mmcache.llm_stage.text_model import TextLM, qk_norm_
+from mmcache.shared.checkpoint import ModelSpec
 
 
 def test_rotation_equals_the_reference_bit_for_bit(tiny_models):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from llm_stage.positions import mrope_positions
-from shared.checkpoint import ModelSpec
-from shared.messages import MediaSpan
+from mmcache.llm_stage.positions import mrope_positions
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.messages import MediaSpan
 
 ARCHS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 MERGE = 2

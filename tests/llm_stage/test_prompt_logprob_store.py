@@ -7,10 +7,10 @@ import dataclasses
 
 import torch
 
-from llm_stage.block_manager import BlockManager, PrefixMatch
-from llm_stage.prompt_logprob_blocks import back_off
-from llm_stage.prompt_logprobs import K_MAX, PromptLogprobStore, entries
-from llm_stage.scheduler import Scheduler
+from mmcache.llm_stage.block_manager import BlockManager, PrefixMatch
+from mmcache.llm_stage.prompt_logprob_blocks import back_off
+from mmcache.llm_stage.prompt_logprobs import K_MAX, PromptLogprobStore, entries
+from mmcache.llm_stage.scheduler import Scheduler
 from tests.llm_stage.test_block_manager import B, make_seq
 
 PROMPT = list(range(1, 11))  # 2 full blocks + 2 tokens

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from llm_stage.sampler import step_seed
-from shared.messages import SamplingParams
+from mmcache.llm_stage.sampler import step_seed
+from mmcache.shared.messages import SamplingParams
 from tests.llm_stage.test_engine import (  # noqa: F401  (env is a fixture)
     Env,
     env,

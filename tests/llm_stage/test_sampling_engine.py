@@ -12,9 +12,9 @@ import llguidance
 import pytest
 import torch
 
-from llm_stage.grammar import GrammarCache, GrammarError
-from processor.structured import JSON_OPTIONS
-from shared.messages import SamplingParams
+from mmcache.llm_stage.grammar import GrammarCache, GrammarError
+from mmcache.processor.structured import JSON_OPTIONS
+from mmcache.shared.messages import SamplingParams
 from tests.llm_stage.test_engine import TEXT, env, hf_greedy, make_engine, make_prompt, make_seq, run
 
 __all__ = ["env"]  # the fixture, shared with test_engine

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from llm_stage.block_manager import BlockManager
-from llm_stage.scheduler import RowsWanted, Scheduler, StepPlan
-from llm_stage.sequence import MediaRows, SeqStatus, Sequence
-from shared.block_hash import root_hash
-from shared.keys import Fingerprint
-from shared.messages import MediaSpan, SamplingParams
+from mmcache.llm_stage.block_manager import BlockManager
+from mmcache.llm_stage.scheduler import RowsWanted, Scheduler, StepPlan
+from mmcache.llm_stage.sequence import MediaRows, SeqStatus, Sequence
+from mmcache.shared.block_hash import root_hash
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import MediaSpan, SamplingParams
 
 B = 4
 ROOT = root_hash(Fingerprint(b"\x07" * 16), None)

@@ -18,14 +18,14 @@ import pytest
 import torch
 import zmq.asyncio
 
-from llm_stage.engine import Engine
-from llm_stage.grammar import GrammarCache
-from llm_stage.media_fetch import MediaFetcher
-from llm_stage.service import LLMService
-from shared.checkpoint import ModelSpec
-from shared.config import LLMConfig
-from shared.discovery import ReplicaSet
-from shared.messages import (
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.grammar import GrammarCache
+from mmcache.llm_stage.media_fetch import MediaFetcher
+from mmcache.llm_stage.service import LLMService
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import LLMConfig
+from mmcache.shared.discovery import ReplicaSet
+from mmcache.shared.messages import (
     ErrorReply,
     GenerateReply,
     GenerateRequest,
@@ -35,7 +35,7 @@ from shared.messages import (
     ProbeRequest,
     SamplingParams,
 )
-from shared.rpc import RemoteError, RpcClient, RpcServer
+from mmcache.shared.rpc import RemoteError, RpcClient, RpcServer
 
 MAX_TOKENS = 12
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from processor.batch_jobs import BatchJobs, _read_done
-from processor.errors import APIError
-from processor.files import FileStore
-from processor.priority import Interactive
+from mmcache.processor.batch_jobs import BatchJobs, _read_done
+from mmcache.processor.errors import APIError
+from mmcache.processor.files import FileStore
+from mmcache.processor.priority import Interactive
 
 
 def test_a_line_cut_short_by_a_crash_is_dropped_and_cut_off(tmp_path) -> None:

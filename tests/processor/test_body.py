@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from processor.body import MIN_HELD_BYTES, load_body
-from processor.errors import APIError
-from processor.request import parse_chat_request
+from mmcache.processor.body import MIN_HELD_BYTES, load_body
+from mmcache.processor.errors import APIError
+from mmcache.processor.request import parse_chat_request
 from tests.media import data_url, image_bytes
 
 URL = data_url(image_bytes(64, 64, seed=3), "image/png")

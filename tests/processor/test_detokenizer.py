@@ -11,7 +11,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from processor.detokenizer import Detokenizer
+from mmcache.processor.detokenizer import Detokenizer
 
 _VOCABULARY = (
     "The harbor town woke slowly . Fishermen hauled wet nets across the cobbled quay , while gulls argued "

@@ -11,8 +11,8 @@ import ipaddress
 import pytest
 from aiohttp import web
 
-from processor.errors import APIError
-from processor.http_fetch import HttpFetcher, is_refused, parse_networks
+from mmcache.processor.errors import APIError
+from mmcache.processor.http_fetch import HttpFetcher, is_refused, parse_networks
 
 PAYLOAD = b"\x89PNG" + b"x" * 5000
 

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from processor.media_cache import MediaCache
-from processor.media_source import SETTLED_SECONDS, MediaSource
-from processor.pipeline import Pipeline
-from processor.preprocess import Preprocessor
-from processor.prompt import PromptBuilder
-from processor.request import parse_chat_request
-from shared.checkpoint import ModelSpec
-from shared.config import ProcessorConfig
-from shared.keys import media_key
+from mmcache.processor.media_cache import MediaCache
+from mmcache.processor.media_source import SETTLED_SECONDS, MediaSource
+from mmcache.processor.pipeline import Pipeline
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.processor.prompt import PromptBuilder
+from mmcache.processor.request import parse_chat_request
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import ProcessorConfig
+from mmcache.shared.keys import media_key
 from tests.media import image_bytes
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from processor.errors import APIError
-from processor.media_decode import DecodeLimits, decode_image, decode_video
+from mmcache.processor.errors import APIError
+from mmcache.processor.media_decode import DecodeLimits, decode_image, decode_video
 from tests.media import decode_all_frames, image_array, image_bytes, video_bytes
 
 LIMITS = DecodeLimits(

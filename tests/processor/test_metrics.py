@@ -12,17 +12,17 @@ import textwrap
 
 from prometheus_client import multiprocess
 
+from mmcache.processor import metrics as metrics_module
+from mmcache.processor.metrics import ProcessorMetrics
+from mmcache.processor.request_log import RequestRecord
 from mmcache.scrape import Samples
-from processor import metrics as metrics_module
-from processor.metrics import ProcessorMetrics
-from processor.request_log import RequestRecord
-from shared.logs import TextFormatter
+from mmcache.shared.logs import TextFormatter
 
 WORKER = textwrap.dedent(
     """
     import sys
-    from processor.metrics import ProcessorMetrics
-    from processor.request_log import RequestRecord
+    from mmcache.processor.metrics import ProcessorMetrics
+    from mmcache.processor.request_log import RequestRecord
 
     hits, render = int(sys.argv[1]), sys.argv[2] == "render"
     m = ProcessorMetrics()

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from processor.prompt import PromptBuilder
-from shared.checkpoint import ModelSpec
+from mmcache.processor.prompt import PromptBuilder
+from mmcache.shared.checkpoint import ModelSpec
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def test_qwen3_video_prompt_equals_hf_processor(tiny_models):
     the leading chunks' tokens."""
     from transformers import AutoProcessor
 
-    from processor.media_decode import DecodedVideo
-    from processor.preprocess import Preprocessor
+    from mmcache.processor.media_decode import DecodedVideo
+    from mmcache.processor.preprocess import Preprocessor
     from tests.hf_reference import hf_inputs
     from tests.media import decode_all_frames, video_bytes
 

@@ -14,22 +14,22 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from encoder_stage.service import EncoderService
-from encoder_stage.vision import VisionTower
-from llm_stage.engine import Engine
-from llm_stage.media_fetch import MediaFetcher
-from llm_stage.service import LLMService
-from processor.dispatch import Dispatcher
-from processor.media_source import MediaSource
-from processor.pipeline import Pipeline
-from processor.preprocess import Preprocessor
-from processor.prompt import PromptBuilder
-from processor.request import parse_chat_request
-from processor.stages import StageClients
-from shared.checkpoint import ModelSpec
-from shared.config import EncoderConfig, LLMConfig, ProcessorConfig
-from shared.messages import LookupRequest
-from shared.rpc import RpcServer
+from mmcache.encoder_stage.service import EncoderService
+from mmcache.encoder_stage.vision import VisionTower
+from mmcache.llm_stage.engine import Engine
+from mmcache.llm_stage.media_fetch import MediaFetcher
+from mmcache.llm_stage.service import LLMService
+from mmcache.processor.dispatch import Dispatcher
+from mmcache.processor.media_source import MediaSource
+from mmcache.processor.pipeline import Pipeline
+from mmcache.processor.preprocess import Preprocessor
+from mmcache.processor.prompt import PromptBuilder
+from mmcache.processor.request import parse_chat_request
+from mmcache.processor.stages import StageClients
+from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.config import EncoderConfig, LLMConfig, ProcessorConfig
+from mmcache.shared.messages import LookupRequest
+from mmcache.shared.rpc import RpcServer
 from tests.media import data_url, image_bytes
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from processor.errors import APIError
-from processor.pipeline import sampling_params
-from processor.request import MediaRef, parse_chat_request
+from mmcache.processor.errors import APIError
+from mmcache.processor.pipeline import sampling_params
+from mmcache.processor.request import MediaRef, parse_chat_request
 
 IMG = "data:image/png;base64,iVBORw0KGgo="
 

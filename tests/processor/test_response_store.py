@@ -3,7 +3,7 @@ found only with the salt they were stored under."""
 
 from __future__ import annotations
 
-from processor.response_store import ResponseStore
+from mmcache.processor.response_store import ResponseStore
 
 TURN = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
 

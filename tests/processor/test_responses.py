@@ -9,10 +9,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from processor.pipeline import Prepared
-from processor.request import parse_chat_request
-from processor.responses import Completion
-from shared.messages import GenerateReply, TokenLogprobs
+from mmcache.processor.pipeline import Prepared
+from mmcache.processor.request import parse_chat_request
+from mmcache.processor.responses import Completion
+from mmcache.shared.messages import GenerateReply, TokenLogprobs
 
 TEXT = "the baker pulled golden loaves from a brick oven while gulls argued over scraps"
 STOP = "loaves from"

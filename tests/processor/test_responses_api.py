@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from processor.errors import APIError
-from processor.response_store import ResponseStore
-from processor.responses_api import parse_responses
+from mmcache.processor.errors import APIError
+from mmcache.processor.response_store import ResponseStore
+from mmcache.processor.responses_api import parse_responses
 
 FN = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 

@@ -10,9 +10,9 @@ import torch
 import zmq.asyncio
 
 from mmcache.harness import free_port
-from processor.stages import MAX_PROBES, StageClients
-from shared.discovery import tcp_address
-from shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
+from mmcache.processor.stages import MAX_PROBES, StageClients
+from mmcache.shared.discovery import tcp_address
+from mmcache.shared.messages import Pong, ProbeReply, ProbeRequest, ReleaseProbe
 from tests.fake_replica import FakeReplica
 
 FAST = {"resolve_every": 0.2, "heartbeat_every": 0.1, "ping_timeout": 0.5}

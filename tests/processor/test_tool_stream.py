@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from processor.tool_stream import ToolStream, split_tool_calls
+from mmcache.processor.tool_stream import ToolStream, split_tool_calls
 
 TEXT = (
     "Let me check.\n<tool_call>\n"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from processor.cors import setup_cors
-from processor.errors import APIError, error_middleware
-from processor.prompt import PromptBuilder
-from processor.request import parse_chat_request
-from shared.checkpoint import ModelSpec
+from mmcache.processor.cors import setup_cors
+from mmcache.processor.errors import APIError, error_middleware
+from mmcache.processor.prompt import PromptBuilder
+from mmcache.processor.request import parse_chat_request
+from mmcache.shared.checkpoint import ModelSpec
 
 
 async def hello(request: web.Request) -> web.Response:

@@ -6,9 +6,9 @@ import struct
 
 import xxhash
 
-from shared.block_hash import block_hashes, root_hash
-from shared.keys import Fingerprint
-from shared.messages import MediaSpan
+from mmcache.shared.block_hash import block_hashes, root_hash
+from mmcache.shared.keys import Fingerprint
+from mmcache.shared.messages import MediaSpan
 
 B = 16
 FP = Fingerprint(b"\x01" * 16)

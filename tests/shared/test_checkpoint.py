@@ -10,7 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.checkpoint import CheckpointError, ModelSpec, load_weights, text_weight_name, vision_weight_name
+from mmcache.shared.checkpoint import (
+    CheckpointError,
+    ModelSpec,
+    load_weights,
+    text_weight_name,
+    vision_weight_name,
+)
 
 
 def renamed_copy(src: Path, dst: Path, shards: int = 1) -> Path:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from shared.config import (
+from mmcache.shared.config import (
     EncoderConfig,
     LLMConfig,
     ProcessorConfig,

@@ -14,10 +14,10 @@ import pytest
 import zmq.asyncio
 
 from mmcache import harness
-from shared.discovery import ReplicaSet, split_target, tcp_address
-from shared.messages import LookupReply, LookupRequest, Pong
-from shared.routing import rendezvous
-from shared.rpc import RemoteError
+from mmcache.shared.discovery import ReplicaSet, split_target, tcp_address
+from mmcache.shared.messages import LookupReply, LookupRequest, Pong
+from mmcache.shared.routing import rendezvous
+from mmcache.shared.rpc import RemoteError
 from tests.fake_replica import FakeReplica
 
 FAST = {"resolve_every": 0.2, "heartbeat_every": 0.1, "ping_timeout": 0.5}

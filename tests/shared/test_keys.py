@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from shared.keys import (
+from mmcache.shared.keys import (
     Fingerprint,
     chunk_key,
     embed_key,

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from shared.keys import BlockHash, Fingerprint
-from shared.kv_block_codec import HEADER_BYTES, BadValue, KVLayout, StoredBlock, decode, encode
+from mmcache.shared.keys import BlockHash, Fingerprint
+from mmcache.shared.kv_block_codec import HEADER_BYTES, BadValue, KVLayout, StoredBlock, decode, encode
 
 LAYOUT = KVLayout(Fingerprint(b"m" * 16), torch.bfloat16, 4, 2, 1, 8, 3)
 HASH = BlockHash(b"h" * 16)

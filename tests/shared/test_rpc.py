@@ -15,9 +15,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from shared.messages import Abort, EncodeItem, ErrorReply, Ping
-from shared.rpc import RemoteError, Responder, RpcClient, RpcServer
-from shared.wire import PROTOCOL_VERSION, decode, encode, message
+from mmcache.shared.messages import Abort, EncodeItem, ErrorReply, Ping
+from mmcache.shared.rpc import RemoteError, Responder, RpcClient, RpcServer
+from mmcache.shared.wire import PROTOCOL_VERSION, decode, encode, message
 
 
 @message
@@ -307,7 +307,7 @@ async def test_socket_loses_nothing_under_backpressure():
     """High-water marks of 1 force every path: sends that would block queue and flush on
     readiness, replies are queued without waiting, and every wake-up drains the socket.
     500 echoes of mixed sizes over tcp must all come back, in order per sender."""
-    from shared.loop_socket import LoopSocket
+    from mmcache.shared.loop_socket import LoopSocket
 
     ctx = zmq.Context()
     got: list[bytes] = []
@@ -345,7 +345,7 @@ async def test_socket_loses_nothing_under_backpressure():
 async def test_a_send_that_consumes_the_readiness_signal_still_delivers():
     """ZeroMQ's descriptor signals changes, and a send reads (clears) that signal: a message that
     arrived just before our send must still be delivered, with nothing else happening after."""
-    from shared.loop_socket import LoopSocket
+    from mmcache.shared.loop_socket import LoopSocket
 
     ctx = zmq.Context()
     got: list[bytes] = []
@@ -372,7 +372,7 @@ async def test_a_send_that_consumes_the_readiness_signal_still_delivers():
 
 async def test_a_peer_that_stops_reading_holds_up_only_its_own_replies():
     """Two peers of one ROUTER; one never reads (its queue fills): replies to the other still flow."""
-    from shared.loop_socket import LoopSocket
+    from mmcache.shared.loop_socket import LoopSocket
 
     ctx = zmq.Context()
     router = LoopSocket(ctx, zmq.ROUTER, lambda frames: None)

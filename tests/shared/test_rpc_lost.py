@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from mmcache.harness import free_port
-from shared.discovery import ReplicaSet
-from shared.loop_socket import heartbeat_timeout_ms
-from shared.messages import LookupRequest, Ping, Pong
-from shared.rpc import RemoteError, RpcClient
+from mmcache.shared.discovery import ReplicaSet
+from mmcache.shared.loop_socket import heartbeat_timeout_ms
+from mmcache.shared.messages import LookupRequest, Ping, Pong
+from mmcache.shared.rpc import RemoteError, RpcClient
 from tests.fake_replica import FakeReplica
 
 ROOT = Path(__file__).resolve().parents[2]

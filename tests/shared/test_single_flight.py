@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from shared.single_flight import SingleFlight
+from mmcache.shared.single_flight import SingleFlight
 
 
 async def test_concurrent_callers_share_one_computation_and_only_the_first_owns_it():

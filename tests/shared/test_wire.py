@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared import messages as M
-from shared import wire
-from shared.wire import PROTOCOL_VERSION, WireError, decode, encode
+from mmcache.shared import messages as M
+from mmcache.shared import wire
+from mmcache.shared.wire import PROTOCOL_VERSION, WireError, decode, encode
 
 # --- helpers ---------------------------------------------------------------------------
 
