@@ -54,13 +54,10 @@ class ModelRunner:
         src, dst = copy.source * self.kv.block_size, copy.target * self.kv.block_size
         self.kv.kv[:, dst : dst + copy.tokens] = self.kv.kv[:, src : src + copy.tokens]
 
-    def run(self, items: list[StepItem]) -> torch.Tensor:
-        """Compute each item's tokens; returns logits (float32) of every item that samples, in order."""
-        return self.forward(items)[0]
-
     @torch.inference_mode()
     def forward(self, items: list[StepItem]) -> tuple[torch.Tensor, list[Scored]]:
-        """:meth:`run`, and the prompt logprobs of the items whose sequence asks for them.
+        """Compute each item's tokens: logits (float32) of every item that samples, in order, and
+        the prompt logprobs of the items whose sequence asks for them.
 
         NOTE: only those rows go through the LM head besides the sampling ones: a step where nobody
         asks computes exactly what it did without prompt logprobs.

@@ -4,7 +4,7 @@ A hit costs a hash of the raw bytes and a dict lookup: no decode, no resize.
 Concurrent misses on one key decode once (single flight); a failed decode is
 never cached.
 
-A live request holds its entries (:meth:`hold` / :meth:`release`): their pixels
+A live request pins its entries (:meth:`pin` / :meth:`unpin`): their pixels
 are what the LLM stage may ask it to encode again mid-request, so they are not
 evicted while held and stay inside the byte budget.
 """
@@ -39,7 +39,7 @@ class MediaCache:
         self._entries: OrderedDict[MediaKey, MediaLayout] = OrderedDict()
         self._flight: SingleFlight[MediaKey, MediaLayout] = SingleFlight()
         self._aliases: OrderedDict[bytes, MediaKey] = OrderedDict()
-        self._held: Counter[MediaKey] = Counter()  # entry → live requests holding it
+        self._pinned: Counter[MediaKey] = Counter()  # entry → live requests pinning it
         self.nbytes = 0
         self.stats = MediaCacheStats()
 
@@ -74,13 +74,13 @@ class MediaCache:
         return layout
 
     def put(self, key: MediaKey, layout: MediaLayout) -> None:
-        """Keep ``layout``, evicting the least recently used entries no request holds; if held
+        """Keep ``layout``, evicting the least recently used entries no request pins; if pinned
         entries leave no room, it is not kept."""
         size = _size(layout)
         if size > self.capacity or key in self._entries:
             return
         while self.nbytes + size > self.capacity:
-            victim = next((k for k in self._entries if k not in self._held), None)
+            victim = next((k for k in self._entries if k not in self._pinned), None)
             if victim is None:
                 return
             self.nbytes -= _size(self._entries.pop(victim))
@@ -88,17 +88,17 @@ class MediaCache:
         self._entries[key] = layout
         self.nbytes += size
 
-    def hold(self, key: MediaKey) -> bool:
-        """Keep ``key`` from eviction until :meth:`release`; False if it is not cached."""
+    def pin(self, key: MediaKey) -> bool:
+        """Keep ``key`` from eviction until :meth:`unpin`; False if it is not cached."""
         if key not in self._entries:
             return False
-        self._held[key] += 1
+        self._pinned[key] += 1
         return True
 
-    def release(self, key: MediaKey) -> None:
-        self._held[key] -= 1
-        if self._held[key] <= 0:
-            del self._held[key]
+    def unpin(self, key: MediaKey) -> None:
+        self._pinned[key] -= 1
+        if self._pinned[key] <= 0:
+            del self._pinned[key]
 
     async def get_or_make(self, key: MediaKey, make: Make) -> tuple[MediaLayout, bool]:
         """The layout for ``key`` and whether it was a hit; ``make`` runs at most once per key at a time."""

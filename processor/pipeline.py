@@ -1,7 +1,7 @@
 """The processor's own part of the lazy cascade: media bytes → layouts (cached) → prompt tokens.
 
 A media item costs a hash of its raw bytes and a cache lookup when seen
-before; only new media are decoded and resized. A request holds its entries
+before; only new media are decoded and resized. A request pins its entries
 until it ends: their pixels are what a mid-request repair encodes again.
 """
 
@@ -101,35 +101,35 @@ class Pipeline:
         report = CacheReport()
         # NOTE: --no-cache gives every request its own namespace, so no tier can share anything.
         salt = secrets.token_hex(16) if self.cfg.no_cache else req.cache_salt
-        held: list[MediaKey] = []
+        pinned: list[MediaKey] = []
         try:
             if len(req.media) == 1:  # NOTE: no task (and no extra event-loop turn) for a single item
-                media = [await self._media(req.media[0], salt, report, held)]
+                media = [await self._media(req.media[0], salt, report, pinned)]
             else:
                 media = list(
-                    await asyncio.gather(*(self._media(ref, salt, report, held) for ref in req.media))
+                    await asyncio.gather(*(self._media(ref, salt, report, pinned) for ref in req.media))
                 )
             tools = req.tools.functions if req.tools is not None else None
             token_ids, spans = self.prompts.build(req.messages, media, tools)
         except BaseException:
-            self._release(held)
+            self._unpin(pinned)
             raise
-        return Prepared(req, token_ids, spans, media, salt, report, held)
+        return Prepared(req, token_ids, spans, media, salt, report, pinned)
 
     def done(self, prepared: Prepared) -> None:
         """The request has ended: its media cache entries may be evicted again."""
-        self._release(prepared.pinned)
+        self._unpin(prepared.pinned)
         prepared.pinned.clear()
 
-    def _release(self, keys: list[MediaKey]) -> None:
+    def _unpin(self, keys: list[MediaKey]) -> None:
         for key in keys:
-            self.cache.release(key)
+            self.cache.unpin(key)
 
     async def _media(
-        self, ref: MediaRef, salt: str | None, report: CacheReport, held: list[MediaKey]
+        self, ref: MediaRef, salt: str | None, report: CacheReport, pinned: list[MediaKey]
     ) -> MediaLayout:
         """Layout of one media item: a cache hit costs a hash of its bytes (or its uuid) and a lookup.
-        The entry is held (appended to ``held``) until the request ends."""
+        The entry is pinned (appended to ``pinned``) until the request ends."""
         fp = self.pre.fingerprint
         data: bytes | None = None
         if ref.uuid is not None:
@@ -142,7 +142,7 @@ class Pipeline:
                 )
         elif ref.url is not None and ref.url[:5].lower() == "file:":
             # NOTE: a repeated local file is known by its path and settled stat signature, so a
-            # hit does not even read it; the alias is only taken while its layout is held (a
+            # hit does not even read it; the alias is only taken while its layout is pinned (a
             # layout made again must come from the bytes read then, not from the alias).
             local = self.source.file_signature(ref.url) if self.cache.enabled else None
             alias = self._file_alias(salt, ref.modality, local)
@@ -175,8 +175,8 @@ class Pipeline:
             return await loop.run_in_executor(self._media_pool, self._decode, ref, raw, salt)
 
         layout, hit = await self.cache.get_or_make(key, make)
-        if self.cache.hold(key):
-            held.append(key)
+        if self.cache.pin(key):
+            pinned.append(key)
         report.media(hit)
         return layout
 
@@ -210,7 +210,7 @@ class Pipeline:
 
 
 def _location(ref: MediaRef) -> str | memoryview:
-    """Where a media item's bytes are (its URL, or the data: URL the body held aside)."""
+    """Where a media item's bytes are (its URL, or the data: URL the body pinned aside)."""
     location = ref.location
     if location is None:  # a uuid alone, and no cache knows it (any more)
         raise bad_request(f"{ref.param}: uuid {ref.uuid!r} comes without data", "unknown_uuid", ref.param)

@@ -166,17 +166,17 @@ def test_entries_a_live_request_holds_are_not_evicted_and_stay_in_the_budget(tin
     key = [bytes([i]) * 16 for i in range(4)]
     cache.put(key[0], layouts[0])
     cache.put(key[1], layouts[1])
-    assert cache.hold(key[0]) and cache.hold(key[0]) and not cache.hold(key[3])
-    cache.put(key[2], layouts[2])  # evicts 1, the oldest entry nobody holds
+    assert cache.pin(key[0]) and cache.pin(key[0]) and not cache.pin(key[3])
+    cache.put(key[2], layouts[2])  # evicts 1, the oldest entry nobody pins
     assert cache.get(key[1]) is None and cache.get(key[0]) is not None
-    cache.hold(key[2])
+    cache.pin(key[2])
     cache.put(key[3], layouts[3])  # everything held: not kept, nothing evicted
     assert cache.get(key[3]) is None and len(cache) == 2 and cache.nbytes <= cache.capacity
-    cache.release(key[0])
+    cache.unpin(key[0])
     cache.put(key[3], layouts[3])
     assert cache.get(key[0]) is not None  # still held once
-    cache.release(key[0])
-    cache.release(key[2])
+    cache.unpin(key[0])
+    cache.unpin(key[2])
     cache.put(key[1], layouts[1])
     assert len(cache) == 2 and cache.stats.evictions == 2
 
