@@ -20,7 +20,6 @@ torch profiler table of one decode step and one prefill there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from mmcache import results as results_file
 from mmcache.benchmarks.common import Budget, Result, measure, median, model_dir, report, say, spread
 
 DECODE_GOAL = 1.15
@@ -203,43 +203,13 @@ def run(
             None,
         ),
     ]
-    out = os.environ.get("MMCACHE_BENCH_RESULTS")
+    out = os.environ.get("MMCACHE_BENCH_RESULTS")  # a directory: <date>-limits-<commit>.json there
     if out:
-        record = provenance() | {"dtype": dtype, "checkpoint": str(path), "figures": figures}
-        Path(out).write_text(json.dumps(record, indent=2) + "\n")
+        results_file.write(
+            Path(out),
+            results_file.record("limits", {"dtype": dtype, "checkpoint": str(path), "figures": figures}),
+        )
     return results
-
-
-def provenance() -> dict[str, Any]:
-    """Commit, date, machine and load of a run, for a results file."""
-    import platform
-    import subprocess
-
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    cpu = "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [
-            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
-        ]
-        cpu = names[0] if names else cpu
-    return {
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpu": cpu,
-            "cores": len(os.sched_getaffinity(0)),
-            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        "load_average": os.getloadavg(),
-    }
 
 
 def main() -> None:

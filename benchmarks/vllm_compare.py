@@ -32,6 +32,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from mmcache import results as results_file
 from mmcache.benchmarks.chat import body, image, text, user, words
 from mmcache.loadgen.runner import sse_events
 
@@ -190,15 +191,17 @@ def main() -> None:
     parser.add_argument("--mmcache", required=True, help="mmcache's URL")
     parser.add_argument("--peer", required=True, help="the other server's URL (e.g. vllm serve)")
     parser.add_argument("--rounds", type=int, default=6, help="samples per row and server")
-    parser.add_argument("--out", default="", help="write the figures as JSON here")
+    parser.add_argument(
+        "--results-dir", default="", help="write the figures there as <date>-vllm-compare-<commit>.json"
+    )
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (A B B A order)")
     peers = [Peer("mmcache", args.mmcache), Peer("peer", args.peer)]
     result = asyncio.run(compare(peers, args.rounds))
-    if args.out:
-        meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load": os.getloadavg()}
-        Path(args.out).write_text(json.dumps(meta | result, indent=2))
+    if args.results_dir:
+        path = results_file.write(Path(args.results_dir), results_file.record("vllm-compare", result))
+        print(f"# wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
