@@ -136,7 +136,10 @@ async def row(
 
 async def compare(peers: list[Peer], rounds: int) -> dict:
     out: dict = {}
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+    # NOTE: a fresh connection per request, for both servers alike: uvicorn (vLLM) closes a
+    # keep-alive connection after 5 s idle, and a pooled one reused after that is reset.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
         for peer in peers:
             await peer.connect(session)
         loads = {p.name: Workload(seed) for seed, p in enumerate(peers, start=1)}
