@@ -266,15 +266,9 @@ async def _stream(
     generation: AsyncGenerator[tuple[int, GenerateReply], None],
     completion: Completion,
 ) -> web.StreamResponse:
-    # The first reply comes before the 200 is sent, so stage errors still become a JSON 4xx/5xx.
-    try:
-        first = await anext(generation, None)
-    except BaseException:
-        await generation.aclose()
-        raise
+    first = await _first_reply(generation)
     record = request[RECORD]
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    resp = await _sse_response(request)
     for choice in completion.choices:
         await sse(resp, completion.chunk(choice, {"role": "assistant", "content": ""}))
     try:
@@ -338,11 +332,7 @@ async def _stream_completions(
     request: web.Request, answer: CompletionsAnswer, completion: Completion
 ) -> web.StreamResponse:
     generation = request.app[ENGINE].generation(completion)
-    try:
-        first = await anext(generation, None)
-    except BaseException:
-        await generation.aclose()
-        raise
+    first = await _first_reply(generation)
     resp = await _sse_response(request)
     record = request[RECORD]
     sent = [0] * len(completion.choices)  # logprob entries streamed, per choice
@@ -399,6 +389,18 @@ def _fill(record: RequestRecord, usage: dict) -> None:
     record.completion_tokens = usage["completion_tokens"]
 
 
+async def _first_reply(
+    generation: AsyncGenerator[tuple[int, GenerateReply], None],
+) -> tuple[int, GenerateReply] | None:
+    """A stream's first reply, taken before the 200 is sent, so stage errors still become a JSON
+    4xx/5xx; the generation is closed if that fails."""
+    try:
+        return await anext(generation, None)
+    except BaseException:
+        await generation.aclose()
+        raise
+
+
 async def _sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
@@ -433,11 +435,7 @@ async def _stream_response(request: web.Request, render: ResponseRender) -> web.
     the output items come at the end, once the model's blocks can be told from text)."""
     completion = render.completion
     generation = request.app[ENGINE].generation(completion)
-    try:
-        first = await anext(generation, None)
-    except BaseException:
-        await generation.aclose()
-        raise
+    first = await _first_reply(generation)
     resp = await _sse_response(request)
     record = request[RECORD]
 
