@@ -56,7 +56,7 @@ class VisionTower:
     def __init__(self, spec: ModelSpec, device: str = "auto", dtype: str = "auto"):
         self.spec = spec
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, spec.saved_dtype)
         config = AutoConfig.from_pretrained(spec.path).vision_config
         config._attn_implementation = "sdpa"
         with no_init_weights():

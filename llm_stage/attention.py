@@ -4,9 +4,11 @@ The model runner computes q, k and v for every row of a step and hands them to
 an :class:`AttentionBackend`: the backend plans once per step how attention
 reads the cache (the same for every layer), writes the step's K/V into their
 slots, and attends. :class:`SdpaBackend` is the one backend today: PyTorch's
-scaled-dot-product attention over K/V gathered from the blocks. A paged GPU
-kernel (FlashAttention/FlashInfer style, reading block tables directly) is a
-new class with the same three methods.
+scaled-dot-product attention over K/V gathered from the blocks for prefill
+chunks, and two float32 matrix products around a softmax for single-token decodes
+(torch's fused CPU kernel spends ~0.5 ms a layer on one query over 512 keys, the
+two products ~0.1 ms). A paged GPU kernel reading block tables directly is a new
+class with the same three methods (:mod:`llm_stage.attention_flashinfer`).
 """
 
 from __future__ import annotations
@@ -49,15 +51,16 @@ class _Prefill:
 class SdpaPlan:
     """How attention reads the cache this step (the same for every layer, so built once).
 
-    Single-token decodes share one padded, masked attention call; every other item
-    (a prefill chunk) gets its own call.
+    Single-token decodes share one attention call over their padded, masked contexts; every
+    other item (a prefill chunk) gets its own call.
     """
 
     new_slots: torch.Tensor  # cache slot of every row computed this step
     prefills: list[_Prefill]
     decode_rows: torch.Tensor | None = None  # (B,) rows of the decodes, when prefills share the step
     decode_blocks: torch.Tensor | None = None  # (B * widest,) block ids, padded with block 0
-    decode_mask: torch.Tensor | None = None  # (B, 1, 1, widest * block_size), additive
+    decode_length: int = 0  # the longest decode context: columns read of each padded row
+    decode_blocked: torch.Tensor | None = None  # (B, 1, 1, decode_length): True past a row's end
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,18 +79,16 @@ class SdpaBackend:
 
     def plan(self, items: list[StepItem]) -> SdpaPlan:
         size = self.kv.block_size
-        decodes = [it for it in items if it.num_tokens == 1 and it.start > 0]
-        if len(decodes) < 2:
-            decodes = []
-        batched = {id(it) for it in decodes}
         new_slots: list[int] = []
         prefills = []
-        row = 0
+        decodes: list[StepItem] = []
         decode_rows: list[int] = []
+        row = 0
         for item in items:
             table, start, end = item.seq.block_table, item.start, item.end
             new_slots += [table[t // size] * size + t % size for t in range(start, end)]
-            if id(item) in batched:
+            if end - start == 1 and start > 0:
+                decodes.append(item)
                 decode_rows.append(row)
                 row += 1
                 continue
@@ -96,21 +97,23 @@ class SdpaBackend:
             if start > 0:
                 prefill.context = torch.tensor(table[: -(-end // size)], device=self.device)
                 prefill.length = end
-                if end - start > 1:
-                    cols = torch.arange(end, device=self.device)
-                    rows = torch.arange(start, end, device=self.device)
-                    prefill.mask = _additive(cols[None, :] <= rows[:, None], self.dtype)
+                cols = torch.arange(end, device=self.device)
+                rows = torch.arange(start, end, device=self.device)
+                prefill.mask = _additive(cols[None, :] <= rows[:, None], self.dtype)
             prefills.append(prefill)
         plan = SdpaPlan(torch.tensor(new_slots, device=self.device), prefills)
         if decodes:
-            widest = max(-(-it.end // size) for it in decodes)
+            length = max(it.end for it in decodes)
+            widest = -(-length // size)
             tables = [it.seq.block_table[:widest] for it in decodes]
             plan.decode_blocks = torch.tensor(
                 [b for t in tables for b in t + [0] * (widest - len(t))], device=self.device
             )
-            ends = torch.tensor([it.end for it in decodes], device=self.device)
-            cols = torch.arange(widest * size, device=self.device)
-            plan.decode_mask = _additive(cols[None, :] < ends[:, None], self.dtype)[:, None, None]
+            plan.decode_length = length
+            if len(decodes) > 1:
+                ends = torch.tensor([it.end for it in decodes], device=self.device)
+                cols = torch.arange(length, device=self.device)
+                plan.decode_blocked = (cols[None, :] >= ends[:, None])[:, None, None]
             if prefills:
                 plan.decode_rows = torch.tensor(decode_rows, device=self.device)
         return plan
@@ -132,7 +135,7 @@ class SdpaBackend:
         return out.view(out.shape[0], -1)
 
     def _prefill(self, layer: int, q: torch.Tensor, qkv: torch.Tensor, p: _Prefill) -> torch.Tensor:
-        """One item's rows (a prefill chunk, or a decode alone): → (rows, heads, head_dim), a view."""
+        """One prefill chunk's rows: → (rows, heads, head_dim), a view."""
         heads, kv_heads = self.num_heads, self.kv.num_kv_heads
         query = q[p.rows].transpose(0, 1)[None]
         if p.context is None:  # the sequence's first tokens: K/V are right here
@@ -153,14 +156,20 @@ class SdpaBackend:
         return o[0].transpose(0, 1)
 
     def _decode(self, layer: int, q: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
-        """One token of each of B sequences: q (B, heads, head_dim) → (B, heads, head_dim)."""
-        kv_heads = self.kv.num_kv_heads
+        """One token of each of B sequences: q (B, heads, head_dim) → (B, heads, head_dim).
+
+        In float32 whatever the cache's dtype (as the fused kernels accumulate); query head ``h``
+        reads kv head ``h // (heads // kv_heads)``, as ``enable_gqa`` maps them.
+        """
+        batch, kv_heads, dim = q.shape[0], self.kv.num_kv_heads, q.shape[-1]
         cache = self.kv.blocks(layer)
-        assert plan.decode_blocks is not None  # set with decode_rows
-        kv = cache.index_select(0, plan.decode_blocks).view(q.shape[0], -1, *cache.shape[2:])
-        keys = kv[:, :, :kv_heads].transpose(1, 2)  # (B, kv_heads, widest * block_size, head_dim)
-        values = kv[:, :, kv_heads:].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:, :, None], keys, values, attn_mask=plan.decode_mask, scale=self.scaling, enable_gqa=True
-        )
-        return o[:, :, 0]
+        assert plan.decode_blocks is not None  # set with the decodes
+        kv = cache.index_select(0, plan.decode_blocks).view(batch, -1, *cache.shape[2:])
+        kv = kv[:, : plan.decode_length].float()  # (B, T, 2 * kv_heads, head_dim)
+        keys = kv[:, :, :kv_heads].permute(0, 2, 3, 1)  # (B, kv_heads, head_dim, T)
+        values = kv[:, :, kv_heads:].transpose(1, 2)  # (B, kv_heads, T, head_dim)
+        scores = torch.matmul(q.float().view(batch, kv_heads, -1, dim), keys).mul_(self.scaling)
+        if plan.decode_blocked is not None:
+            scores.masked_fill_(plan.decode_blocked, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # (B, kv_heads, group, head_dim)
+        return out.view(batch, self.num_heads, dim).to(q.dtype)

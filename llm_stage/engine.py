@@ -101,7 +101,7 @@ class Engine:
     def __init__(self, cfg: LLMConfig, spec: ModelSpec):
         self.spec = spec
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device, spec.saved_dtype)
         self.lm = TextLM(spec, self.device, self.dtype)
         per_block = KVCache.bytes_per_block(self.lm, cfg.block_size, self.dtype)
         # NOTE: the prompt logprob store sits beside the KV blocks (one row of slots per block) and

@@ -3,8 +3,9 @@
 The transformers text-model class of the family loads the weights and provides
 the M-RoPE tables (interleaved for Qwen3-VL); :mod:`llm_stage.model_runner` drives
 the layers over the paged KV cache through :class:`LayerWeights`, which fuse q/k/v
-and gate/up into one matrix each (the modules' own parameters become views of
-those, so nothing is stored twice). The family's text block decides the rest:
+and gate/up into one :class:`~llm_stage.linear.Projection` each. A projection whose
+weight got packed for the CPU's kernel holds the only copy: the module's own linear
+is emptied, so nothing is stored twice. The family's text block decides the rest:
 Qwen2 layers carry q/k/v biases, Qwen3 layers normalise q and k per head instead.
 """
 
@@ -20,17 +21,17 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
+from mmcache.llm_stage.linear import Projection
 from mmcache.shared.checkpoint import ModelSpec, load_weights, text_weight_name
 from mmcache.shared.family import load_class
 
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    qkv: torch.Tensor  # (q + k + v outputs, hidden)
-    qkv_bias: torch.Tensor | None  # Qwen2 layers
-    o: torch.Tensor
-    gate_up: torch.Tensor | None  # (2 * intermediate, hidden); None in a mixture-of-experts layer
-    down: torch.Tensor | None
+    qkv: Projection  # hidden -> q + k + v outputs (with biases in Qwen2 layers)
+    o: Projection
+    gate_up: Projection | None  # hidden -> 2 * intermediate; None in a mixture-of-experts layer
+    down: Projection | None
     act: Callable[[torch.Tensor], torch.Tensor] | None
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -52,16 +53,22 @@ def qk_norm_(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     qk.copy_(normed.mul_(weight))
 
 
-def _fuse(linears: list[nn.Linear], name: str) -> torch.Tensor:
-    """One tensor holding ``name`` (weight or bias) of every linear, stacked along the outputs;
-    each linear's own parameter becomes a view into it."""
-    fused = torch.cat([getattr(lin, name).detach() for lin in linears])
+def _project(linears: list[nn.Linear]) -> Projection:
+    """One projection computing every linear of ``linears``, outputs stacked in order.
+
+    The modules' weights end as views of the stacked one, or empty when the projection packed it.
+    """
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    proj = Projection(weight, bias)
     start = 0
     for lin in linears:
-        end = start + getattr(lin, name).shape[0]
-        setattr(lin, name, nn.Parameter(fused[start:end], requires_grad=False))
+        end = start + lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start:end] if not proj.packed else weight[:0], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start:end], requires_grad=False)
         start = end
-    return fused
+    return proj
 
 
 def _layer_weights(layer: Any, heads: int, kv_heads: int) -> LayerWeights:
@@ -75,11 +82,10 @@ def _layer_weights(layer: Any, heads: int, kv_heads: int) -> LayerWeights:
         qk_norm = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
         qk_eps = attn.q_norm.variance_epsilon
     return LayerWeights(
-        qkv=_fuse(qkv, "weight"),
-        qkv_bias=_fuse(qkv, "bias") if attn.q_proj.bias is not None else None,
-        o=attn.o_proj.weight,
-        gate_up=None if moe else _fuse([mlp.gate_proj, mlp.up_proj], "weight"),
-        down=None if moe else mlp.down_proj.weight,
+        qkv=_project(qkv),
+        o=_project([attn.o_proj]),
+        gate_up=None if moe else _project([mlp.gate_proj, mlp.up_proj]),
+        down=None if moe else _project([mlp.down_proj]),
         act=None if moe else mlp.act_fn,
         input_norm=norm.weight,
         post_norm=layer.post_attention_layernorm.weight,
@@ -125,6 +131,11 @@ class TextLM(nn.Module):
             raise ValueError("unexpected attention layout: want q/k norms (Qwen3) or q/k/v biases (Qwen2)")
         with torch.no_grad():
             self.fused = [_layer_weights(layer, self.num_heads, self.num_kv_heads) for layer in self.layers]
+            # NOTE: a tied head shares the embedding table, which lookups need dense: packing it
+            # keeps a second copy (the price of reading it at the packed kernel's speed).
+            self.head = Projection(self.lm_head.weight.detach())
+            if self.head.packed and not tied:
+                self.lm_head.weight = nn.Parameter(self.lm_head.weight[:0], requires_grad=False)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -139,4 +150,24 @@ class TextLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         norm = self.model.norm
-        return self.lm_head(F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)).float()
+        return self.head(F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)).float()
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads: every projection, norm and expert, not the
+        embedding table (a step reads one row of it)."""
+        tensors = [self.model.norm.weight]
+        for w in self.fused:
+            tensors += [w.input_norm, w.post_norm] + ([w.qkv.bias] if w.qkv.bias is not None else [])
+            tensors += list(w.moe.parameters()) if w.moe is not None else []
+        return sum(p.nbytes for p in self._projections()) + sum(t.nbytes for t in tensors)
+
+    def step_parameters(self) -> int:
+        """Weights a token is multiplied with (the embedding table and norms excluded)."""
+        experts = sum(p.numel() for w in self.fused if w.moe is not None for p in w.moe.parameters())
+        return sum(p.numel for p in self._projections()) + experts
+
+    def _projections(self) -> list[Projection]:
+        out = [self.head]
+        for w in self.fused:
+            out += [p for p in (w.qkv, w.o, w.gate_up, w.down) if p is not None]
+        return out

@@ -4,8 +4,10 @@
 Qwen2-0.5B's text shape (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864) and an 8-block,
 width-640 vision tower (~410 M parameters): compute matters there as it does for a served model.
 ``2b`` has the real dimensions of the family's ~2 B model (Qwen2-VL-2B; Qwen3-VL-2B for the Qwen3
-families), saved in bfloat16 as those checkpoints are. Every preset keeps the tiny tokenizer, so
-the vocabulary (and the LM head) stays small: a real model's 151 k-row head is not part of it.
+families). ``mid`` and ``2b`` are saved in bfloat16 as the real checkpoints are (so ``--dtype auto``
+serves them in bfloat16 where the machine computes in it); ``tiny`` in float32. Every preset keeps
+the tiny tokenizer, so the vocabulary (and the LM head) stays small: a real model's 151 k-row head
+is not part of it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Preset:
     vision_width: int
     vision_heads: int
     vision_mlp: int  # the vision MLP's inner width
-    dtype: str = "float32"
+    dtype: str = "float32"  # saved as; `mid` and `2b` in bfloat16, as the real checkpoints are
     initializer_range: float = 0.1  # well above the 0.02 default so a tiny model reacts visibly
     tie_word_embeddings: bool = False
     # Qwen3 families only, when they differ from the Qwen2 ones (a different real 2 B model).
@@ -72,6 +74,7 @@ _PRESETS = {
         vision_width=640,
         vision_heads=10,
         vision_mlp=2560,
+        dtype="bfloat16",
         initializer_range=0.02,
         moe_intermediate=608,  # 8 experts of 608: the dense MLP's weights, split
     ),

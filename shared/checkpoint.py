@@ -69,6 +69,15 @@ class ModelSpec:
         return FAMILIES[self.model_type]
 
     @property
+    def saved_dtype(self) -> str:
+        """The dtype the weights were saved in (config ``dtype``, older ``torch_dtype``), or ""."""
+        for source in (self.config, self.config.get("text_config", {})):
+            name = source.get("dtype") or source.get("torch_dtype")
+            if isinstance(name, str):
+                return name
+        return ""
+
+    @property
     def vision_config(self) -> dict:
         return self.config["vision_config"]
 

@@ -106,6 +106,10 @@ METRICS_PORT_HELP = (
 LOG_FORMAT_HELP = "log format: text, or json (one object per line)"
 LOG_FORMATS = ("text", "json")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
+DTYPE_HELP = (
+    "weights dtype: auto (the checkpoint's; bfloat16 on a CPU only with native bfloat16, a float32 "
+    "checkpoint in bfloat16 on GPU), float32, bfloat16, float16"
+)
 MAX_CUDA_GRAPH_BATCH = 512  # each captured size holds its own graph: keep their number bounded
 
 
@@ -121,7 +125,7 @@ class EncoderConfig:
     model: str = opt("", "checkpoint directory (Hugging Face format)")
     bind: str = opt("tcp://0.0.0.0:5556", "ZeroMQ address the encoder binds")
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
-    dtype: str = opt("auto", "weights dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    dtype: str = opt("auto", DTYPE_HELP)
     max_batch_tokens: int = opt(
         0, "most patches in one vision forward (chunks of requests batch); 0: 4096 on a GPU, 2048 on CPU"
     )
@@ -151,7 +155,7 @@ class LLMConfig:
     model: str = opt("", "checkpoint directory (Hugging Face format)")
     bind: str = opt("tcp://0.0.0.0:5557", "ZeroMQ address the LLM stage binds")
     device: str = opt("auto", "torch device: auto, cpu, cuda, cuda:N")
-    dtype: str = opt("auto", "weights dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    dtype: str = opt("auto", DTYPE_HELP)
     max_model_len: int = opt(0, "longest prompt + output in tokens (0 = the model's max_position_embeddings)")
     max_num_seqs: int = opt(64, "most sequences decoded together")
     max_num_batched_tokens: int = opt(2048, "most tokens in one engine step (longer prefills are chunked)")

@@ -16,9 +16,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def cpu_has_bfloat16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX), through oneDNN."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_dtype(name: str, device: torch.device, saved: str = "") -> torch.dtype:
+    """``auto``: the dtype the checkpoint was saved in (``saved``), where the device computes in it.
+
+    On CUDA a float32 checkpoint runs in bfloat16; on a CPU bfloat16 (and float16, which CPUs
+    compute poorly) run in bfloat16 where the CPU has it, else float32. A float32 checkpoint stays
+    float32 on a CPU (the tiny test checkpoints are saved so and compared with HF in it).
+    """
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return _DTYPES[saved] if saved in ("bfloat16", "float16") else torch.bfloat16
+        if saved in ("bfloat16", "float16") and cpu_has_bfloat16():
+            return torch.bfloat16
+        return torch.float32
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {name!r}")
     return _DTYPES[name]

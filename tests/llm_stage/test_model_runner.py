@@ -32,12 +32,14 @@ def test_fused_projections_share_the_modules_storage_and_compute_the_same(tiny_m
     x = torch.randn(9, lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
     for layer, fused in zip(lm.layers, lm.fused, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
-        assert attn.q_proj.weight.data_ptr() == fused.qkv.data_ptr()  # a view, not a second copy
-        assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up.untyped_storage().data_ptr()
-        qkv = torch.nn.functional.linear(x, fused.qkv, fused.qkv_bias)
+        assert fused.gate_up is not None and not fused.qkv.packed  # float32 stays dense
+        assert attn.q_proj.weight.data_ptr() == fused.qkv.weight.data_ptr()  # a view, not a second copy
+        up = mlp.up_proj.weight.untyped_storage()
+        assert up.data_ptr() == fused.gate_up.weight.untyped_storage().data_ptr()
+        qkv = fused.qkv(x)
         separate = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
         torch.testing.assert_close(qkv, separate, rtol=1e-6, atol=1e-6)
-        gate, up = torch.nn.functional.linear(x, fused.gate_up).chunk(2, dim=-1)
+        gate, up = fused.gate_up(x).chunk(2, dim=-1)
         torch.testing.assert_close(fused.act(gate) * up, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
@@ -47,7 +49,7 @@ def test_qwen3_qk_norm_equals_the_modules_bit_for_bit(tiny_models):
     rows, heads, kv_heads = 23, lm.num_heads, lm.num_kv_heads
     for layer, fused in zip(lm.layers, lm.fused, strict=True):
         attn = layer.self_attn
-        assert fused.qkv_bias is None and fused.qk_norm is not None
+        assert fused.qkv.bias is None and fused.qk_norm is not None
         torch.nn.init.normal_(attn.q_norm.weight, generator=gen)  # not all ones, so the scale counts
         torch.nn.init.normal_(attn.k_norm.weight, generator=gen)
         fused = replace(

@@ -1,0 +1,60 @@
+"""The decoder's weight products: ``F.linear``, or oneDNN over a weight packed once at load.
+
+On a CPU, torch's bfloat16 ``F.linear`` runs through oneDNN but keeps no packed weight between
+calls: every call lays the weight out for the kernel again, so a batch-1 decode step, which is
+nothing but reading weights, moves each weight several times. Packing each weight once
+(``torch.ops.mkldnn._reorder_linear_weight``, the layout torch's own CPU compiler freezes weights
+into) and calling the packed product reads it once: on a 2-core AVX512-BF16 VM the 24 layers of
+Qwen2-0.5B's shape went from 78 to 37 ms a token at batch 1, and prefill got faster too.
+
+Same kernel, same accumulation: the packed product equals ``F.linear`` bit for bit, for one row
+(oneDNN's matrix-vector path) as for many. A weight is packed only after a probe at load shows
+that equality on this machine; otherwise (float32, CUDA, a CPU without bfloat16 support) it stays
+dense.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_PROBE_ROWS = 5  # rows of the load-time check (and one row alone: a kernel of its own)
+
+
+def packing_supported(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class Projection:
+    """``x @ weight.T + bias`` over rows ``x`` (rows, in_features)."""
+
+    __slots__ = ("bias", "nbytes", "numel", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        self.weight = weight  # dense (out_features, in_features), or oneDNN's packed tensor
+        self.bias = bias
+        self.numel = weight.numel()
+        self.nbytes = weight.numel() * weight.element_size()  # what a step reads
+        self.packed = False
+        if pack and packing_supported(weight):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            if _same_as_dense(weight, bias, packed):
+                self.weight, self.packed = packed, True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _same_as_dense(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
+    batch = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    alone = torch.ops.mkldnn._linear_pointwise(x[:1], packed, bias, "none", [], "")
+    return torch.equal(batch, F.linear(x, weight, bias)) and torch.equal(alone, F.linear(x[:1], weight, bias))
