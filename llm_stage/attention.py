@@ -13,6 +13,8 @@ class with the same three methods (:mod:`llm_stage.attention_flashinfer`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,6 +63,23 @@ class SdpaPlan:
     decode_blocks: torch.Tensor | None = None  # (B * widest,) block ids, padded with block 0
     decode_length: int = 0  # the longest decode context: columns read of each padded row
     decode_blocked: torch.Tensor | None = None  # (B, 1, 1, decode_length): True past a row's end
+
+
+# NOTE: a CPU decode attention up to this many cached K/V values runs on one thread. Each of its
+# five operators (gather, upcast, two products, softmax) would otherwise be a parallel region, and
+# every region wakes the other threads: 120 of a decode step's 217 regions on a 24-layer model,
+# ~0.1 ms each where idle threads sleep (as ``mmcache serve`` sets them to), for ~0.1 ms of work.
+SERIAL_DECODE_VALUES = 1 << 20
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,6 +180,12 @@ class SdpaBackend:
         In float32 whatever the cache's dtype (as the fused kernels accumulate); query head ``h``
         reads kv head ``h // (heads // kv_heads)``, as ``enable_gqa`` maps them.
         """
+        batch, kv_heads, dim = q.shape[0], self.kv.num_kv_heads, q.shape[-1]
+        small = batch * plan.decode_length * kv_heads * dim <= SERIAL_DECODE_VALUES
+        with _one_thread() if small and self.device.type == "cpu" else nullcontext():
+            return self._decode_attention(layer, q, plan)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
         batch, kv_heads, dim = q.shape[0], self.kv.num_kv_heads, q.shape[-1]
         cache = self.kv.blocks(layer)
         assert plan.decode_blocks is not None  # set with the decodes
