@@ -20,6 +20,7 @@ from transformers.initialization import no_init_weights
 from mmcache.shared.checkpoint import ModelSpec, load_weights, vision_weight_name
 from mmcache.shared.family import load_class
 from mmcache.shared.keys import Fingerprint, fingerprint
+from mmcache.shared.linear import pack_linears
 from mmcache.shared.torch_utils import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class VisionTower:
             raise ValueError(f"vision weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.patch_embed = LinearPatchEmbed(model.patch_embed.proj)
         self.model = model.to(self.device).eval()
+        # bfloat16 on a CPU: each linear's weight packed once for oneDNN (the same results, ~10%
+        # less time for a 448² image on the mid checkpoint); elsewhere nothing changes.
+        pack_linears(self.model)
         self.image_processor = AutoImageProcessor.from_pretrained(spec.path)
         self.video_processor = AutoVideoProcessor.from_pretrained(spec.path)
         self.merge = config.spatial_merge_size

@@ -3,7 +3,7 @@
 The transformers text-model class of the family loads the weights and provides
 the M-RoPE tables (interleaved for Qwen3-VL); :mod:`llm_stage.model_runner` drives
 the layers over the paged KV cache through :class:`LayerWeights`, which fuse q/k/v
-and gate/up into one :class:`~llm_stage.linear.Projection` each. A projection whose
+and gate/up into one :class:`~shared.linear.Projection` each. A projection whose
 weight got packed for the CPU's kernel holds the only copy: the module's own linear
 is emptied, so nothing is stored twice. The family's text block decides the rest:
 Qwen2 layers carry q/k/v biases, Qwen3 layers normalise q and k per head instead.
@@ -21,9 +21,9 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.initialization import no_init_weights
 
-from mmcache.llm_stage.linear import Projection
 from mmcache.shared.checkpoint import ModelSpec, load_weights, text_weight_name
 from mmcache.shared.family import load_class
+from mmcache.shared.linear import Projection
 
 
 @dataclass(frozen=True, slots=True)

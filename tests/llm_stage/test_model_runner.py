@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
 from mmcache.llm_stage.model_runner import fold_sin, rotate_
 from mmcache.llm_stage.text_model import TextLM, qk_norm_
-from mmcache.shared.checkpoint import ModelSpec
+from mmcache.shared.checkpoint import ModelSpec, load_weights, text_weight_name
+from mmcache.shared.linear import packing_supported
 
 
 def test_rotation_equals_the_reference_bit_for_bit(tiny_models):
@@ -62,3 +64,28 @@ def test_qwen3_qk_norm_equals_the_modules_bit_for_bit(tiny_models):
         want_q, want_k = attn.q_norm(qk[:, :heads]), attn.k_norm(qk[:, heads:])
         qk_norm_(qk, fused.qk_norm, fused.qk_eps)
         assert torch.equal(qk[:, :heads], want_q) and torch.equal(qk[:, heads:], want_k)
+
+
+def test_a_bf16_model_keeps_one_copy_of_each_weight_and_computes_what_the_checkpoint_says(tiny_models):
+    packs = packing_supported(torch.empty(1, dtype=torch.bfloat16))
+    spec = ModelSpec.load(tiny_models["qwen2-vl"])
+    lm = TextLM(spec, torch.device("cpu"), torch.bfloat16)
+    state = {k: v.to(torch.bfloat16) for k, v in load_weights(spec.path, text_weight_name).items()}
+    x = torch.randn(7, lm.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for i, w in enumerate(lm.fused):
+        assert w.qkv.packed == w.down.packed == packs
+        pre = f"model.layers.{i}."
+        qkv = [state[f"{pre}self_attn.{n}_proj.weight"] for n in "qkv"]
+        bias = [state[f"{pre}self_attn.{n}_proj.bias"] for n in "qkv"]
+        assert torch.equal(w.qkv(x), F.linear(x, torch.cat(qkv), torch.cat(bias)))
+        gate_up = torch.cat([state[f"{pre}mlp.gate_proj.weight"], state[f"{pre}mlp.up_proj.weight"]])
+        assert torch.equal(w.gate_up(x), F.linear(x, gate_up))
+    if packs:  # the modules' linears gave their weights up: one copy of each
+        layer = lm.layers[0]
+        assert layer.self_attn.q_proj.weight.numel() == 0 and layer.mlp.down_proj.weight.numel() == 0
+    norm = lm.model.norm
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    want = F.linear(F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon), head).float()
+    assert torch.equal(lm.logits(x), want)
+    params = sum(v.numel() for k, v in state.items() if "proj" in k and k.endswith("weight"))
+    assert lm.step_parameters() == params + head.numel()

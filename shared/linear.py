@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 _PROBE_ROWS = 5  # rows of the load-time check (and one row alone: a kernel of its own)
 
@@ -58,3 +59,32 @@ def _same_as_dense(weight: torch.Tensor, bias: torch.Tensor | None, packed: torc
     batch = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     alone = torch.ops.mkldnn._linear_pointwise(x[:1], packed, bias, "none", [], "")
     return torch.equal(batch, F.linear(x, weight, bias)) and torch.equal(alone, F.linear(x[:1], weight, bias))
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose product runs through a :class:`Projection` (for model code that calls
+    its linears as modules, such as a vision tower's blocks)."""
+
+    def __init__(self, proj: Projection, in_features: int):
+        super().__init__()
+        self.proj = proj
+        self.in_features = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``module`` whose weight packs by a :class:`PackedLinear`
+    (the dense weight is let go); returns how many were replaced."""
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            bias = None if child.bias is None else child.bias.detach()
+            proj = Projection(child.weight.detach(), bias)
+            if proj.packed:
+                setattr(parent, name, PackedLinear(proj, child.in_features))
+                replaced += 1
+    return replaced
