@@ -1,7 +1,9 @@
 """The machine's physical limits and the LLM stage's compute against them, in one run.
 
 (a) Memory bandwidth: a large bfloat16 copy (bytes read + written per second).
-(b) bfloat16 matmul throughput: a 2048² x 2048² product (FLOP/s).
+(b) bfloat16 matmul throughput: 2048 rows times a 2048² weight through the product the engine uses
+    (:class:`~mmcache.shared.linear.Projection`: oneDNN with the weight packed, where the CPU has
+    bfloat16), in FLOP/s.
 (c) Decode, ms per token at batch 1 on the ``mid`` checkpoint (Qwen2-0.5B's text shape) in bfloat16,
     through the engine (scheduler, model runner, sampler), against the bandwidth bound: the bytes of
     weights a step reads (every text weight but the embedding table, of which a step reads one row)
@@ -46,9 +48,11 @@ def bandwidth(budget: Budget) -> tuple[float, list[float]]:
 
 
 def matmul_flops(budget: Budget) -> tuple[float, list[float]]:
-    a = torch.randn(MATMUL, MATMUL).to(torch.bfloat16)
-    b = torch.randn(MATMUL, MATMUL).to(torch.bfloat16)
-    times = measure(lambda: torch.mm(a, b), budget)
+    from mmcache.shared.linear import Projection
+
+    x = torch.randn(MATMUL, MATMUL).to(torch.bfloat16)
+    proj = Projection(torch.randn(MATMUL, MATMUL).to(torch.bfloat16))
+    times = measure(lambda: proj(x), budget)
     return 2 * MATMUL**3 / median(times), times
 
 
@@ -99,24 +103,6 @@ class Driver:
         return times[0], times[1:]
 
 
-def weight_bytes(lm: Any) -> int:
-    """Bytes of the weights one decode step reads: every text tensor but the embedding table."""
-    embed = lm.model.embed_tokens.weight
-    seen: set[int] = set()
-    total = 0
-    for p in lm.parameters():
-        ptr = p.untyped_storage().data_ptr()
-        if p is embed or ptr in seen:  # fused tensors: count each storage once
-            continue
-        seen.add(ptr)
-        total += p.untyped_storage().nbytes()
-    return total
-
-
-def parameters(lm: Any) -> int:
-    return sum(p.numel() for p in lm.parameters()) - lm.model.embed_tokens.weight.numel()
-
-
 def profile(driver: Driver, out: Path) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -149,7 +135,7 @@ def run(
     path = model_dir("qwen2-vl", preset="mid")
     driver = Driver(path, dtype)
     lm = driver.engine.lm
-    wbytes, params = weight_bytes(lm), parameters(lm)
+    wbytes, params = lm.step_weight_bytes(), lm.step_parameters()
     say(
         f"# {path}: {params / 1e6:.0f} M text parameters (embedding excluded), "
         f"{wbytes / 1e9:.3f} GB read a step"

@@ -42,6 +42,21 @@ CONCURRENT = 16
 TIMEOUT = aiohttp.ClientTimeout(total=600)
 
 
+class NoContent(RuntimeError):
+    """A random checkpoint answered with special tokens only (nothing to time)."""
+
+
+async def timed(peer: Peer, session: aiohttp.ClientSession, draw: Callable[[], dict]) -> list[float]:
+    """Arrival times of a stream's content; a prompt answered with special tokens only is drawn
+    again (a random checkpoint does that now and then), at most 5 times."""
+    for _ in range(4):
+        try:
+            return (await peer.stream(session, draw()))[0]
+        except NoContent:
+            continue
+    return (await peer.stream(session, draw()))[0]
+
+
 class Peer:
     """One server: its URL and the model name it serves."""
 
@@ -72,7 +87,7 @@ class Peer:
                         times.append(time.perf_counter() - start)
                         parts.append(content)
         if not times and need_content:
-            raise RuntimeError(f"{self.name}: the stream carried no content")
+            raise NoContent(f"{self.name}: the stream carried no content")
         return times, "".join(parts)
 
     async def complete(self, session: aiohttp.ClientSession, payload: dict) -> int:
@@ -86,7 +101,11 @@ class Peer:
 
 
 class Workload:
-    """Fresh payloads: every call draws new words and, where asked, a new image."""
+    """Fresh payloads: every call draws new words and, where asked, a new image.
+
+    Every request sets ``ignore_eos`` (both servers take it): a random checkpoint may end its answer
+    at once, and a timing row needs the tokens it asks for.
+    """
 
     def __init__(self, seed: int):
         self.rng = np.random.default_rng(seed)
@@ -107,12 +126,11 @@ class Workload:
             {"role": "system", "content": words(self.rng, 60)},
             {"role": "user", "content": words(self.rng, 8)},
         ]
-        return body("", messages, max_tokens=max_tokens)
+        return {**body("", messages, max_tokens=max_tokens), "ignore_eos": True}
 
     def image(self, url: str | None = None, max_tokens: int = 16) -> dict:
-        return body(
-            "", [user(image(url or self.image_url()), text(words(self.rng, 8)))], max_tokens=max_tokens
-        )
+        content = [image(url or self.image_url()), text(words(self.rng, 8))]
+        return {**body("", [user(*content)], max_tokens=max_tokens), "ignore_eos": True}
 
 
 async def row(
@@ -142,25 +160,28 @@ async def compare(peers: list[Peer], rounds: int) -> dict:
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
         for peer in peers:
             await peer.connect(session)
-        loads = {p.name: Workload(seed) for seed, p in enumerate(peers, start=1)}
+        # NOTE: seeds new to each run, so a second run against the same servers is not served from
+        # the prefix caches the first one filled.
+        base = int(time.time())
+        loads = {p.name: Workload(base + seed) for seed, p in enumerate(peers)}
         for peer in peers:  # warm-up: both compile / allocate what they need before timing
-            await peer.stream(session, loads[peer.name].text())
-            await peer.stream(session, loads[peer.name].image())
+            await timed(peer, session, loads[peer.name].text)
+            await timed(peer, session, loads[peer.name].image)
 
         async def text_ttft(peer: Peer, _r: int) -> float:
-            return (await peer.stream(session, loads[peer.name].text()))[0][0]
+            return (await timed(peer, session, loads[peer.name].text))[0]
 
         async def image_ttft(peer: Peer, _r: int) -> float:
-            return (await peer.stream(session, loads[peer.name].image()))[0][0]
+            return (await timed(peer, session, loads[peer.name].image))[0]
 
         async def same_image(peer: Peer, _r: int) -> float:
             load = loads[peer.name]
             url = load.image_url()
-            await peer.stream(session, load.image(url, max_tokens=1))  # the image is now seen
-            return (await peer.stream(session, load.image(url)))[0][0]
+            await peer.stream(session, load.image(url, max_tokens=1), need_content=False)  # now seen
+            return (await timed(peer, session, lambda: load.image(url)))[0]
 
         async def decode_ms(peer: Peer, _r: int) -> float:
-            times, _ = await peer.stream(session, loads[peer.name].text(max_tokens=DECODE_TOKENS))
+            times = await timed(peer, session, lambda: loads[peer.name].text(max_tokens=DECODE_TOKENS))
             return 1e3 * (times[-1] - times[0]) / max(1, len(times) - 1)
 
         async def concurrent(peer: Peer, _r: int) -> float:

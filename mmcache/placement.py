@@ -7,12 +7,17 @@ stage takes every core, and so does the encoder (a first-seen image waits on it 
 processor's resizing is light: half the cores. On 2 cores: LLM 2, encoder 2, processor 1.
 
 Stages that overlap (the encoder on one request while the LLM decodes others) then share the cores.
-With OpenMP's default wait policy a thread that finishes its part of an operator spins, waiting
-for the others; when another process holds the core one of them needs, every operator waits out
-scheduler time slices: measured here, 2 threads decoding next to other busy processes ran 5-15x
-slower than 1 thread. Passive waiting (``OMP_WAIT_POLICY=PASSIVE``: idle threads sleep) made
-2 threads as fast as 1 in that contention, so the launcher sets it for its children unless the
-environment already says how OpenMP threads wait.
+How an OpenMP thread waits for the next operator decides what that sharing costs. libgomp's
+default spins ~10 ms (300,000 rounds) after each parallel operator: next to another busy
+process, a thread spinning at the end of an operator holds the core its partner needs, and
+decoding with 2 threads ran 5-15x slower than with 1. Sleeping at once
+(``OMP_WAIT_POLICY=PASSIVE``) fixes that but makes every operator wake the sleeping thread: a
+decode step on a 24-layer model is ~100 parallel operators (each weight product), and the
+wake-ups cost it ~30% on a quiet 2-core VM. The launcher sets ``GOMP_SPINCOUNT=1000`` (~35 us
+of spinning here) for its children: long enough to catch the next operator of a step, short
+enough that a thread waiting on a descheduled partner gives the core up (measured: decode next
+to a busy process as fast as with PASSIVE; on a quiet machine as fast as the default, within
+this VM's noise). An environment that already says how OpenMP threads wait is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 STAGES = ("processor", "encoder", "llm")
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+SPIN_ROUNDS = 1000  # GOMP_SPINCOUNT: how long an idle OpenMP thread spins before it sleeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,5 +48,5 @@ def place(
     stages, a stage's own count (``--llm-threads`` ...) overrides it, the rest is the default."""
     base = {s: every for s in STAGES} if every is not None else default_threads(cores)
     threads = {s: per_stage.get(s) or base[s] for s in STAGES}
-    env = {} if any(v in environ for v in WAIT_VARIABLES) else {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {} if any(v in environ for v in WAIT_VARIABLES) else {"GOMP_SPINCOUNT": str(SPIN_ROUNDS)}
     return Placement(threads, env)
