@@ -152,7 +152,7 @@ async def row(
     return {"mmcache": a, "peer": b, "ratio": ratio, "samples": values}
 
 
-async def compare(peers: list[Peer], rounds: int) -> dict:
+async def compare(peers: list[Peer], rounds: int, texts_only: bool = False) -> dict:
     out: dict = {}
     # NOTE: a fresh connection per request, for both servers alike: uvicorn (vLLM) closes a
     # keep-alive connection after 5 s idle, and a pooled one reused after that is reset.
@@ -164,6 +164,9 @@ async def compare(peers: list[Peer], rounds: int) -> dict:
         # the prefix caches the first one filled.
         base = int(time.time())
         loads = {p.name: Workload(base + seed) for seed, p in enumerate(peers)}
+        if texts_only:
+            out["greedy_texts"] = await greedy_texts(peers, session)
+            return out
         for peer in peers:  # warm-up: both compile / allocate what they need before timing
             await timed(peer, session, loads[peer.name].text)
             await timed(peer, session, loads[peer.name].image)
@@ -197,15 +200,18 @@ async def compare(peers: list[Peer], rounds: int) -> dict:
         out["decode_ms"] = await row("decode_ms", peers, rounds, decode_ms, higher=False)
         out["concurrent_tok_s"] = await row("concurrent", peers, max(2, rounds // 2), concurrent, higher=True)
 
-        same = Workload(999)  # one set of prompts for both: are the greedy texts equal?
-        prompts = [same.text(max_tokens=24) for _ in range(6)]
-        texts = {
-            p.name: [(await p.stream(session, q, need_content=False))[1] for q in prompts] for p in peers
-        }
-        equal = sum(x == y for x, y in zip(*texts.values(), strict=True))
-        print(f"ROW greedy_texts: {equal}/{len(prompts)} equal", flush=True)
-        out["greedy_equal"] = [equal, len(prompts)]
+        out["greedy_texts"] = await greedy_texts(peers, session)
     return out
+
+
+async def greedy_texts(peers: list[Peer], session: aiohttp.ClientSession) -> dict:
+    """Both servers' greedy answers to the same 6 prompts (text only): how many are equal."""
+    same = Workload(999)
+    prompts = [same.text(max_tokens=24) for _ in range(6)]
+    texts = {p.name: [(await p.stream(session, q, need_content=False))[1] for q in prompts] for p in peers}
+    equal = sum(x == y for x, y in zip(*texts.values(), strict=True))
+    print(f"ROW greedy_texts: {equal}/{len(prompts)} equal", flush=True)
+    return {"equal": equal, "prompts": len(prompts), "texts": texts}
 
 
 def main() -> None:
@@ -216,13 +222,16 @@ def main() -> None:
     parser.add_argument("--peer", required=True, help="the other server's URL (e.g. vllm serve)")
     parser.add_argument("--rounds", type=int, default=6, help="samples per row and server")
     parser.add_argument(
+        "--texts-only", action="store_true", help="only compare greedy texts (serve both in float32 for this)"
+    )
+    parser.add_argument(
         "--results-dir", default="", help="write the figures there as <date>-vllm-compare-<commit>.json"
     )
     args = parser.parse_args()
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (A B B A order)")
     peers = [Peer("mmcache", args.mmcache), Peer("peer", args.peer)]
-    result = asyncio.run(compare(peers, args.rounds))
+    result = asyncio.run(compare(peers, args.rounds, args.texts_only))
     if args.results_dir:
         path = results_file.write(Path(args.results_dir), results_file.record("vllm-compare", result))
         print(f"# wrote {path}", flush=True)

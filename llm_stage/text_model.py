@@ -64,7 +64,10 @@ def _project(linears: list[nn.Linear]) -> Projection:
     start = 0
     for lin in linears:
         end = start + lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight[start:end] if not proj.packed else weight[:0], requires_grad=False)
+        # NOTE: a packed projection holds the only copy: even an empty view would keep the dense
+        # tensor's storage alive, so the module gets a fresh empty weight.
+        kept = weight[start:end] if not proj.packed else weight.new_empty((0, weight.shape[1]))
+        lin.weight = nn.Parameter(kept, requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias[start:end], requires_grad=False)
         start = end
@@ -135,7 +138,8 @@ class TextLM(nn.Module):
             # keeps a second copy (the price of reading it at the packed kernel's speed).
             self.head = Projection(self.lm_head.weight.detach())
             if self.head.packed and not tied:
-                self.lm_head.weight = nn.Parameter(self.lm_head.weight[:0], requires_grad=False)
+                empty = self.lm_head.weight.new_empty((0, config.hidden_size))
+                self.lm_head.weight = nn.Parameter(empty, requires_grad=False)
 
     @property
     def layers(self) -> nn.ModuleList:
