@@ -160,13 +160,13 @@ async def compare(peers: list[Peer], rounds: int, texts_only: bool = False) -> d
     async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
         for peer in peers:
             await peer.connect(session)
+        if texts_only:
+            out["greedy_texts"] = await greedy_texts(peers, session)
+            return out
         # NOTE: seeds new to each run, so a second run against the same servers is not served from
         # the prefix caches the first one filled.
         base = int(time.time())
         loads = {p.name: Workload(base + seed) for seed, p in enumerate(peers)}
-        if texts_only:
-            out["greedy_texts"] = await greedy_texts(peers, session)
-            return out
         for peer in peers:  # warm-up: both compile / allocate what they need before timing
             await timed(peer, session, loads[peer.name].text)
             await timed(peer, session, loads[peer.name].image)

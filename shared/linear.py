@@ -1,4 +1,5 @@
-"""The decoder's weight products: ``F.linear``, or oneDNN over a weight packed once at load.
+"""Weight products (the decoder's, the vision tower's): ``F.linear``, or oneDNN over a weight packed
+once at load.
 
 On a CPU, torch's bfloat16 ``F.linear`` runs through oneDNN but keeps no packed weight between
 calls: every call lays the weight out for the kernel again, so a batch-1 decode step, which is
@@ -19,16 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmcache.shared.torch_utils import cpu_has_bfloat16
+
 _PROBE_ROWS = 5  # rows of the load-time check (and one row alone: a kernel of its own)
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_bfloat16()
 
 
 class Projection:
@@ -36,13 +34,13 @@ class Projection:
 
     __slots__ = ("bias", "nbytes", "numel", "packed", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight  # dense (out_features, in_features), or oneDNN's packed tensor
         self.bias = bias
         self.numel = weight.numel()
         self.nbytes = weight.numel() * weight.element_size()  # what a step reads
         self.packed = False
-        if pack and packing_supported(weight):
+        if packing_supported(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if _same_as_dense(weight, bias, packed):
                 self.weight, self.packed = packed, True
