@@ -23,6 +23,7 @@ from mmcache.processor.choices import choices
 from mmcache.processor.completions import CompletionsAnswer, parse_completions
 from mmcache.processor.cors import setup_cors
 from mmcache.processor.dispatch import Dispatcher
+from mmcache.processor.drain import Drain
 from mmcache.processor.errors import APIError, bad_request, error_body, error_middleware
 from mmcache.processor.files import FileStore
 from mmcache.processor.generation import Engine
@@ -44,6 +45,7 @@ from mmcache.shared.checkpoint import ModelSpec
 from mmcache.shared.config import ProcessorConfig, split_list
 from mmcache.shared.messages import GenerateReply
 from mmcache.shared.metrics import metrics_url
+from mmcache.shared.service import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ FILES = web.AppKey("files", FileStore)
 BATCHES = web.AppKey("batches", BatchJobs)
 UPLOAD_CHUNK = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM
+SHUTDOWN_SECONDS = 3.0  # in-flight requests get this long to finish on SIGTERM (then are cancelled)
 
 
 def init(cfg: ProcessorConfig) -> web.Application:
@@ -74,10 +76,12 @@ def init(cfg: ProcessorConfig) -> web.Application:
         if PIPELINE in app:
             observed.request_done(lambda: _stats(app))
 
+    drain = Drain(SHUTDOWN_SECONDS)
     app = web.Application(
         client_max_size=cfg.max_request_bytes,
-        middlewares=[error_middleware, request_middleware(request_done)],
+        middlewares=[drain.middleware, error_middleware, request_middleware(request_done)],
     )
+    app.on_shutdown.append(drain.on_shutdown)
     app[METRICS] = observed
     if cfg.allowed_origins:
         setup_cors(app, split_list(cfg.allowed_origins))
@@ -686,3 +690,4 @@ def serve(cfg: ProcessorConfig, reuse_port: bool = False) -> None:
         access_log=None,
         shutdown_timeout=SHUTDOWN_SECONDS,
     )
+    exit_now()

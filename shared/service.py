@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -100,3 +101,19 @@ def run_stage(name: str, bind: str, torch_threads: int, make_handler, log_format
     setup_metrics()
     set_threads(torch_threads)
     asyncio.run(serve(name, bind, make_handler))
+    exit_now()
+
+
+def exit_now() -> None:
+    """End a stage process whose resources are already closed, skipping interpreter finalization.
+
+    Tearing down torch, transformers and their many objects took ~2 s of a stop on a loaded
+    2-core machine (measured with py-spy: the main thread busy with no Python frame left), time
+    an orchestrator's grace period does not have. Everything that needs closing was closed by
+    then; logs and standard streams are flushed here.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
