@@ -1,10 +1,11 @@
 """The machine's physical limits and the LLM stage's compute against them, in one run.
 
 (a) Memory bandwidth: a large bfloat16 copy (bytes read + written per second).
-(b) bfloat16 matmul throughput: 2048 rows times a 2048² weight through the product the engine uses
+(b) matmul throughput in that dtype: 2048 rows times a 2048² weight through the product the engine uses
     (:class:`~mmcache.shared.linear.Projection`: oneDNN with the weight packed, where the CPU has
     bfloat16), in FLOP/s.
-(c) Decode, ms per token at batch 1 on the ``mid`` checkpoint (Qwen2-0.5B's text shape) in bfloat16,
+(c) Decode, ms per token at batch 1 on the ``mid`` checkpoint (Qwen2-0.5B's text shape) in the dtype
+    the LLM stage picks by default (bfloat16 where the CPU computes in it, else float32; ``--dtype``),
     through the engine (scheduler, model runner, sampler), against the bandwidth bound: the bytes of
     weights a step reads (every text weight but the embedding table, of which a step reads one row)
     over (a), measured again right after each round (the ratio is the median over rounds).
@@ -47,11 +48,11 @@ def bandwidth(budget: Budget) -> tuple[float, list[float]]:
     return 2 * COPY_BYTES / median(times), times
 
 
-def matmul_flops(budget: Budget) -> tuple[float, list[float]]:
+def matmul_flops(budget: Budget, dtype: torch.dtype) -> tuple[float, list[float]]:
     from mmcache.shared.linear import Projection
 
-    x = torch.randn(MATMUL, MATMUL).to(torch.bfloat16)
-    proj = Projection(torch.randn(MATMUL, MATMUL).to(torch.bfloat16))
+    x = torch.randn(MATMUL, MATMUL).to(dtype)
+    proj = Projection(torch.randn(MATMUL, MATMUL).to(dtype))
     times = measure(lambda: proj(x), budget)
     return 2 * MATMUL**3 / median(times), times
 
@@ -123,18 +124,20 @@ def profile(driver: Driver, out: Path) -> None:
 
 
 def run(
-    quick: bool = False, threads: int = 0, dtype: str = "bfloat16", profile_dir: str = ""
+    quick: bool = False, threads: int = 0, dtype: str = "auto", profile_dir: str = ""
 ) -> list[Result]:
     if threads:
         torch.set_num_threads(threads)
     budget = Budget(warmup=1, min_reps=3, max_reps=10 if quick else 20, seconds=2 if quick else 4)
     bw, bw_times = bandwidth(budget)
     say(f"# bf16 copy of {COPY_BYTES >> 20} MiB: {spread(bw_times)} -> {bw / 1e9:.1f} GB/s (read + write)")
-    flops, mm_times = matmul_flops(budget)
-    say(f"# bf16 {MATMUL}^2 matmul: {spread(mm_times)} -> {flops / 1e12:.2f} TFLOP/s")
     path = model_dir("qwen2-vl", preset="mid")
     driver = Driver(path, dtype)
     lm = driver.engine.lm
+    computed = next(lm.parameters()).dtype  # what ``dtype`` resolved to (``auto``: the engine's choice)
+    dtype = str(computed).removeprefix("torch.")
+    flops, mm_times = matmul_flops(budget, computed)
+    say(f"# {dtype} {MATMUL}^2 matmul: {spread(mm_times)} -> {flops / 1e12:.2f} TFLOP/s")
     wbytes, params = lm.step_weight_bytes(), lm.step_parameters()
     say(
         f"# {path}: {params / 1e6:.0f} M text parameters (embedding excluded), "
@@ -204,7 +207,12 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="the engine's dtype (auto: what the LLM stage picks by default on this machine)",
+    )
     parser.add_argument("--profile", default="", metavar="DIR", help="write profiler tables to DIR")
     args = parser.parse_args()
     start = time.perf_counter()
