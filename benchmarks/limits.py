@@ -123,9 +123,7 @@ def profile(driver: Driver, out: Path) -> None:
     say(f"# profiles written to {out}")
 
 
-def run(
-    quick: bool = False, threads: int = 0, dtype: str = "auto", profile_dir: str = ""
-) -> list[Result]:
+def run(quick: bool = False, threads: int = 0, dtype: str = "auto", profile_dir: str = "") -> list[Result]:
     if threads:
         torch.set_num_threads(threads)
     budget = Budget(warmup=1, min_reps=3, max_reps=10 if quick else 20, seconds=2 if quick else 4)
