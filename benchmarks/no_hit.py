@@ -9,22 +9,32 @@ output tokens/s. The result is the median over rounds of B's rate over the mean 
 (goal <= 1.03: the caches cost at most 3% when they never hit), next to A' over A, the noise floor
 of two identical servers on this machine in the same run.
 
+With ``--kv-store`` the same run measures the shared KV tier instead: A and A' share one Redis
+(``--kv-store``: every prefix is written there, and every prefix miss asks it first) and B has every
+cache but no store; B over A and A' is then what the store costs when it never hits.
+
 ``MMCACHE_BENCH_MODEL`` picks the checkpoint (default: the tiny one).
+
+    python -m mmcache.benchmarks.no_hit [--quick] [--kv-store]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import os
 import statistics
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 
+from mmcache import results as results_file
 from mmcache.benchmarks.chat import MAX_TOKENS, batch, body, image, text, user, warm_up, words
-from mmcache.benchmarks.common import Result, Server, main, model_dir, say
+from mmcache.benchmarks.common import Result, Server, model_dir, report, say
+from mmcache.kv_store_server import RedisServer
 
 GOAL = 1.03
 IMAGE = 448
@@ -82,14 +92,16 @@ async def measure(servers: dict[str, Server], model: str, quick: bool) -> dict[s
     return rates
 
 
-def run(quick: bool = False) -> list[Result]:
+def run(quick: bool = False, kv_store: bool = False) -> list[Result]:
     path = model_dir()
     model = path.name
     start = time.perf_counter()
+    store = RedisServer().start() if kv_store else None
+    on, off = (("--kv-store", store.url), ()) if store else ((), ("--no-cache",))
     servers = {
-        "A": Server(path, wait=False),
-        "B": Server(path, "--no-cache", wait=False),
-        "A'": Server(path, wait=False),
+        "A": Server(path, *on, wait=False),
+        "B": Server(path, *off, wait=False),
+        "A'": Server(path, *on, wait=False),
     }
     try:
         for server in servers.values():
@@ -99,24 +111,40 @@ def run(quick: bool = False) -> list[Result]:
     finally:
         for server in servers.values():
             server.stop()
+        if store:
+            store.stop()
     # NOTE: B against the mean of both cache-on servers: one server instance alone moves the speed
     # by a few percent (the A/A ratio shows how much).
     overhead = [2 * b / (a + a2) for a, b, a2 in zip(rates["A"], rates["B"], rates["A'"], strict=True)]
     noise = [a2 / a for a, a2 in zip(rates["A"], rates["A'"], strict=True)]
     say(f"# B over the mean of A and A' per round: {', '.join(f'{x:.3f}' for x in overhead)}")
     say(f"# A'/A per round: {', '.join(f'{x:.3f}' for x in noise)}")
+    what = "store off over the shared KV store on" if store else "--no-cache over caches on"
+    name = "no_hit_store_overhead" if store else "no_hit_overhead"
+    out = os.environ.get("MMCACHE_BENCH_RESULTS")  # a directory: <date>-no-hit[-kv-store]-<commit>.json
+    if out:
+        figures = {
+            "b_over_a_per_round": [round(x, 3) for x in overhead],
+            "median": round(statistics.median(overhead), 3),
+            "noise_floor_a_prime_over_a_per_round": [round(x, 3) for x in noise],
+            "noise_floor_median": round(statistics.median(noise), 3),
+            "tokens_per_s": {k: [round(x, 2) for x in v] for k, v in rates.items()},
+            "goal": f"<= {GOAL}",
+        }
+        body = {"checkpoint": str(path), "measured": what, "rounds": len(overhead), "figures": figures}
+        results_file.write(Path(out), results_file.record("no-hit-kv-store" if store else "no-hit", body))
     return [
         Result(
-            "no_hit_overhead",
-            "all-unique (new image + own system prompt) output tokens/s, --no-cache over caches on",
+            name,
+            f"all-unique (new image + own system prompt) output tokens/s, {what}",
             statistics.median(overhead),
             GOAL,
             higher_is_better=False,
             note=f"A/A noise floor {statistics.median(noise):.3f}, {len(overhead)} rounds",
         ),
         Result(
-            "no_hit_noise_floor",
-            "the same workload, one cache-on server over another (A'/A)",
+            f"{name}_noise_floor",
+            "the same workload, one server of A's flags over another (A'/A)",
             statistics.median(noise),
             None,
         ),
@@ -124,4 +152,15 @@ def run(quick: bool = False) -> list[Result]:
 
 
 if __name__ == "__main__":
-    main(run, __doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
+    parser.add_argument(
+        "--kv-store", action="store_true", help="measure the shared KV store instead of all caches"
+    )
+    args = parser.parse_args()
+    began = time.perf_counter()
+    found = run(args.quick, args.kv_store)
+    say(f"# finished in {time.perf_counter() - began:.1f} s")
+    report(found)
