@@ -9,7 +9,8 @@ Rows (6 samples each by default):
   text_ttft     TTFT of a text request with a new ~220-token prompt (nothing cached)
   image_ttft    TTFT of a request with a first-seen 448x448 image (a ``data:`` URL) and a question
   same_image    TTFT of a new question about the image the previous request sent (warm caches)
-  decode_ms     ms per output token of one streamed request at batch 1 (64 tokens, after the first)
+  decode_ms     ms per output token of one streamed request at batch 1 (64 tokens): from the first
+                content to the usage chunk, over the 63 tokens after the first
   concurrent    output tokens/s of 16 concurrent requests, each a new image and question
 and the greedy texts of both servers on the text prompts (equal count; compare with --dtype float32
 on both sides: bf16 kernels differ).
@@ -28,6 +29,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import numpy as np
@@ -42,19 +44,26 @@ CONCURRENT = 16
 TIMEOUT = aiohttp.ClientTimeout(total=600)
 
 
+class Streamed(NamedTuple):
+    times: list[float]  # arrival of each content chunk, seconds from sending
+    text: str
+    end: float  # arrival of the usage chunk, after the last token
+    tokens: int  # completion tokens, as the usage chunk counts them
+
+
 class NoContent(RuntimeError):
     """A random checkpoint answered with special tokens only (nothing to time)."""
 
 
-async def timed(peer: Peer, session: aiohttp.ClientSession, draw: Callable[[], dict]) -> list[float]:
-    """Arrival times of a stream's content; a prompt answered with special tokens only is drawn
-    again (a random checkpoint does that now and then), at most 5 times."""
+async def timed(peer: Peer, session: aiohttp.ClientSession, draw: Callable[[], dict]) -> Streamed:
+    """A stream with content; a prompt answered with special tokens only is drawn again (a random
+    checkpoint does that now and then), at most 5 times."""
     for _ in range(4):
         try:
-            return (await peer.stream(session, draw()))[0]
+            return await peer.stream(session, draw())
         except NoContent:
             continue
-    return (await peer.stream(session, draw()))[0]
+    return await peer.stream(session, draw())
 
 
 class Peer:
@@ -69,13 +78,17 @@ class Peer:
 
     async def stream(
         self, session: aiohttp.ClientSession, payload: dict, need_content: bool = True
-    ) -> tuple[list[float], str]:
-        """Arrival times (seconds from sending) of every content chunk, and the text (a random
-        model's greedy answer may be special tokens only: empty, allowed with ``need_content`` off)."""
-        data = json.dumps({**payload, "model": self.model, "stream": True}).encode()
+    ) -> Streamed:
+        """Arrival times (seconds from sending) of every content chunk, the text (a random model's
+        greedy answer may be special tokens only: empty, allowed with ``need_content`` off), and
+        when the usage chunk (sent after the last token) came with its completion token count."""
+        data = json.dumps(
+            {**payload, "model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+        ).encode()
         start = time.perf_counter()
         times: list[float] = []
         parts: list[str] = []
+        end, tokens = 0.0, 0
         headers = {"Content-Type": "application/json"}
         async with session.post(self.url + "/v1/chat/completions", data=data, headers=headers) as resp:
             if resp.status != 200:
@@ -86,9 +99,11 @@ class Peer:
                     if content:
                         times.append(time.perf_counter() - start)
                         parts.append(content)
+                if event.get("usage"):
+                    end, tokens = time.perf_counter() - start, int(event["usage"]["completion_tokens"])
         if not times and need_content:
             raise NoContent(f"{self.name}: the stream carried no content")
-        return times, "".join(parts)
+        return Streamed(times, "".join(parts), end, tokens)
 
     async def complete(self, session: aiohttp.ClientSession, payload: dict) -> int:
         async with session.post(
@@ -152,7 +167,13 @@ async def row(
     return {"mmcache": a, "peer": b, "ratio": ratio, "samples": values}
 
 
-async def compare(peers: list[Peer], rounds: int, texts_only: bool = False) -> dict:
+ROWS = ("text_ttft", "image_ttft", "same_image", "decode_ms", "concurrent", "greedy_texts")
+
+
+async def compare(
+    peers: list[Peer], rounds: int, texts_only: bool = False, rows: set[str] | None = None
+) -> dict:
+    """Every row (or those in ``rows``), in the order of :data:`ROWS`."""
     out: dict = {}
     # NOTE: a fresh connection per request, for both servers alike: uvicorn (vLLM) closes a
     # keep-alive connection after 5 s idle, and a pooled one reused after that is reset.
@@ -172,20 +193,24 @@ async def compare(peers: list[Peer], rounds: int, texts_only: bool = False) -> d
             await timed(peer, session, loads[peer.name].image)
 
         async def text_ttft(peer: Peer, _r: int) -> float:
-            return (await timed(peer, session, loads[peer.name].text))[0]
+            return (await timed(peer, session, loads[peer.name].text)).times[0]
 
         async def image_ttft(peer: Peer, _r: int) -> float:
-            return (await timed(peer, session, loads[peer.name].image))[0]
+            return (await timed(peer, session, loads[peer.name].image)).times[0]
 
         async def same_image(peer: Peer, _r: int) -> float:
             load = loads[peer.name]
             url = load.image_url()
             await peer.stream(session, load.image(url, max_tokens=1), need_content=False)  # now seen
-            return (await timed(peer, session, lambda: load.image(url)))[0]
+            return (await timed(peer, session, lambda: load.image(url))).times[0]
 
         async def decode_ms(peer: Peer, _r: int) -> float:
-            times = await timed(peer, session, lambda: loads[peer.name].text(max_tokens=DECODE_TOKENS))
-            return 1e3 * (times[-1] - times[0]) / max(1, len(times) - 1)
+            # NOTE: per token, not per chunk: a token may carry no text (a special token, or part
+            # of a character a server holds back), and a server may send several in one chunk.
+            # From the first content to the usage chunk, over the tokens after the first.
+            got = await timed(peer, session, lambda: loads[peer.name].text(max_tokens=DECODE_TOKENS))
+            assert got.tokens == DECODE_TOKENS, f"{peer.name}: {got.tokens} tokens"
+            return 1e3 * (got.end - got.times[0]) / (got.tokens - 1)
 
         async def concurrent(peer: Peer, _r: int) -> float:
             load = loads[peer.name]
@@ -194,13 +219,18 @@ async def compare(peers: list[Peer], rounds: int, texts_only: bool = False) -> d
             tokens = await asyncio.gather(*(peer.complete(session, p) for p in payloads))
             return sum(tokens) / (time.perf_counter() - start)
 
-        out["text_ttft_s"] = await row("text_ttft", peers, rounds, text_ttft, higher=False)
-        out["image_ttft_s"] = await row("image_ttft", peers, rounds, image_ttft, higher=False)
-        out["same_image_ttft_s"] = await row("same_image", peers, rounds, same_image, higher=False)
-        out["decode_ms"] = await row("decode_ms", peers, rounds, decode_ms, higher=False)
-        out["concurrent_tok_s"] = await row("concurrent", peers, max(2, rounds // 2), concurrent, higher=True)
-
-        out["greedy_texts"] = await greedy_texts(peers, session)
+        table = {
+            "text_ttft": ("text_ttft_s", rounds, text_ttft, False),
+            "image_ttft": ("image_ttft_s", rounds, image_ttft, False),
+            "same_image": ("same_image_ttft_s", rounds, same_image, False),
+            "decode_ms": ("decode_ms", rounds, decode_ms, False),
+            "concurrent": ("concurrent_tok_s", max(2, rounds // 2), concurrent, True),
+        }
+        for name, (key, n, sample, higher) in table.items():
+            if rows is None or name in rows:
+                out[key] = await row(name, peers, n, sample, higher=higher)
+        if rows is None or "greedy_texts" in rows:
+            out["greedy_texts"] = await greedy_texts(peers, session)
     return out
 
 
@@ -208,7 +238,7 @@ async def greedy_texts(peers: list[Peer], session: aiohttp.ClientSession) -> dic
     """Both servers' greedy answers to the same 6 prompts (text only): how many are equal."""
     same = Workload(999)
     prompts = [same.text(max_tokens=24) for _ in range(6)]
-    texts = {p.name: [(await p.stream(session, q, need_content=False))[1] for q in prompts] for p in peers}
+    texts = {p.name: [(await p.stream(session, q, need_content=False)).text for q in prompts] for p in peers}
     equal = sum(x == y for x, y in zip(*texts.values(), strict=True))
     print(f"ROW greedy_texts: {equal}/{len(prompts)} equal", flush=True)
     return {"equal": equal, "prompts": len(prompts), "texts": texts}
@@ -227,11 +257,17 @@ def main() -> None:
     parser.add_argument(
         "--results-dir", default="", help="write the figures there as <date>-vllm-compare-<commit>.json"
     )
+    parser.add_argument(
+        "--rows", default="", help=f"comma-separated rows to run (default all: {', '.join(ROWS)})"
+    )
     args = parser.parse_args()
+    rows = set(filter(None, args.rows.split(","))) or None
+    if rows and not rows <= set(ROWS):
+        parser.error(f"--rows: unknown {sorted(rows - set(ROWS))}; choose from {', '.join(ROWS)}")
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (A B B A order)")
     peers = [Peer("mmcache", args.mmcache), Peer("peer", args.peer)]
-    result = asyncio.run(compare(peers, args.rounds, args.texts_only))
+    result = asyncio.run(compare(peers, args.rounds, args.texts_only, rows))
     if args.results_dir:
         path = results_file.write(Path(args.results_dir), results_file.record("vllm-compare", result))
         print(f"# wrote {path}", flush=True)
