@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 WRITE_BATCH = 32  # blocks written in one round trip
 MAX_FETCH_BYTES = 64 << 20  # one request's read from the store at most (then it computes the rest)
+ABSENT_SECONDS = 1.0  # a probe that found a prefix's next block absent spares its admission the read
+MAX_ABSENT = 4096  # block hashes remembered so
 ERROR_REASONS = (
     "timeout",
     "connection",
@@ -71,7 +73,7 @@ class KVWanted:
 @dataclass(slots=True)
 class KVTierStats:
     lookups: int = 0  # reads sent to the store
-    skipped: int = 0  # reads not sent: the store was down a moment ago
+    skipped: int = 0  # reads not sent: the store was down, or lacked the next block, a moment ago
     hit_blocks: int = 0  # blocks read, verified and handed to the engine
     miss_blocks: int = 0  # reads that stopped at an absent block
     loaded_blocks: int = 0  # blocks copied into the pool (the engine's side of a hit)
@@ -92,6 +94,11 @@ class KVTier:
         self.on_latency: Callable[[float], None] = lambda seconds: None  # a metrics histogram
         self.max_fetch_blocks = max(1, MAX_FETCH_BYTES // (layout.kv_bytes + 4 * layout.block_size))
         self._queue: queue.Queue[tuple[str, StoredBlock] | None] = queue.Queue(maxsize=queue_size)
+        # NOTE: the first block past a probed prefix that the store lacked, and when: the request
+        # that follows the probe (milliseconds later) is then computed without asking again. A
+        # block written meanwhile is computed once more, which costs time and changes nothing.
+        self._absent: OrderedDict[BlockHash, float] = OrderedDict()
+        self._absent_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -179,7 +186,7 @@ class KVTier:
         have = len(local.blocks)
         if have >= limit:
             return None
-        if self.store.down():
+        if self.store.down() or self._recently_absent(hashes[have]):
             self.stats.skipped += 1
             return None
         return KVWanted(seq, have, list(hashes[have : min(limit, have + self.max_fetch_blocks)]))
@@ -234,7 +241,18 @@ class KVTier:
         n = 0
         while n < len(found) and found[n]:
             n += 1
+        if n == 0:
+            with self._absent_lock:
+                self._absent[hashes[0]] = time.monotonic()
+                self._absent.move_to_end(hashes[0])
+                while len(self._absent) > MAX_ABSENT:
+                    self._absent.popitem(last=False)
         return n
+
+    def _recently_absent(self, block_hash: BlockHash) -> bool:
+        with self._absent_lock:
+            seen = self._absent.pop(block_hash, None)
+        return seen is not None and time.monotonic() - seen < ABSENT_SECONDS
 
     def _failed(self, exc: BaseException) -> None:
         if isinstance(exc, TimeoutError | redis.TimeoutError):

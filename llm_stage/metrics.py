@@ -108,7 +108,7 @@ FAMILIES = [
     Family(
         "mmcache_llm_kv_store_skipped",
         "counter",
-        "reads not sent: the KV store had failed moments before",
+        "reads not sent: the KV store had failed, or a probe found the next block absent, moments before",
         "kv_store_skipped",
     ),
     Family(

@@ -21,7 +21,7 @@ import torch
 from mmcache.kv_store_server import RedisServer
 from mmcache.llm_stage.engine import Engine
 from mmcache.llm_stage.kv_store import RETRY_SECONDS
-from mmcache.shared.block_hash import root_hash
+from mmcache.shared.block_hash import block_hashes, root_hash
 from mmcache.shared.kv_block_codec import KVLayout, StoredBlock, encode
 from mmcache.shared.messages import SamplingParams
 from tests.llm_stage.test_engine import TEXT, Env, Prompt, build_env, env, make_engine, make_prompt, make_seq  # noqa: F401
@@ -343,6 +343,40 @@ def test_salts_and_layouts_never_share_a_block(one_family: Env, store: RedisServ
     finally:
         for d in (*drivers, other_layout, other_dtype):
             d.close()
+
+
+def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family: Env, store: RedisServer):
+    """The processor probes, then sends the request: a prefix the probe found absent is computed
+    without asking the store again (one round trip, not two); a probe that found it reads it."""
+    env = one_family
+    prompt = make_prompt(env, LONG + " A probe first.")
+    a, b = replica(env, store.url), replica(env, store.url)
+    try:
+        tier = b.engine.kv_tier
+        assert tier is not None
+        root = root_hash(env.spec.weights_fingerprint, None)
+        chain = block_hashes(prompt.token_ids, prompt.spans, 16, root)
+        assert b.loop.run_until_complete(tier.stored(chain)) == 0
+        lookups, skipped = tier.stats.lookups, tier.stats.skipped
+        got = b.run(env, prompt, GREEDY)
+        assert tier.stats.lookups == lookups and tier.stats.skipped == skipped + 1
+        assert_same(got, reference(env, prompt, GREEDY))
+        # the same prompt, written by A meanwhile: B's probe now finds it, B reads it
+        a.run(env, prompt, GREEDY)
+        fresh = replica(env, store.url)
+        try:
+            tier = fresh.engine.kv_tier
+            assert tier is not None
+            assert fresh.loop.run_until_complete(tier.stored(chain)) == full_blocks(prompt) // 16
+            again = fresh.run(env, prompt, GREEDY)
+            assert tier.stats.lookups == 1 and tier.stats.skipped == 0
+            assert again.cached == full_blocks(prompt)
+            assert_same(again, reference(env, prompt, GREEDY))
+        finally:
+            fresh.close()
+    finally:
+        a.close()
+        b.close()
 
 
 def _ignore(fn, *args) -> None:
