@@ -96,13 +96,19 @@ def report(results: Sequence[Result]) -> None:
         print(r.line(), flush=True)
 
 
-def main(run: Callable[..., list[Result]], doc: str | None = None) -> None:
-    """The ``python -m mmcache.benchmarks.<name>`` entry point: ``--quick`` and the RESULT lines."""
-    parser = argparse.ArgumentParser(description=doc)
+def main(
+    run: Callable[..., list[Result]], doc: str | None = None, switches: dict[str, str] | None = None
+) -> None:
+    """The ``python -m mmcache.benchmarks.<name>`` entry point: ``--quick``, the benchmark's own
+    on/off ``switches`` (flag name without dashes -> help; passed to ``run`` by keyword), and the
+    RESULT lines."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (well under 30 s)")
+    for flag, text in (switches or {}).items():
+        parser.add_argument(f"--{flag}", action="store_true", help=text)
     args = parser.parse_args()
     start = time.perf_counter()
-    results = run(quick=args.quick)
+    results = run(**vars(args))
     print(f"# finished in {time.perf_counter() - start:.1f} s", flush=True)
     report(results)
 

@@ -20,7 +20,6 @@ cache but no store; B over A and A' is then what the store costs when it never h
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import os
@@ -33,7 +32,7 @@ import numpy as np
 
 from mmcache import results as results_file
 from mmcache.benchmarks.chat import MAX_TOKENS, batch, body, image, text, user, warm_up, words
-from mmcache.benchmarks.common import Result, Server, model_dir, report, say
+from mmcache.benchmarks.common import Result, Server, main, model_dir, say
 from mmcache.kv_store_server import RedisServer
 
 GOAL = 1.03
@@ -152,15 +151,4 @@ def run(quick: bool = False, kv_store: bool = False) -> list[Result]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
-    parser.add_argument(
-        "--kv-store", action="store_true", help="measure the shared KV store instead of all caches"
-    )
-    args = parser.parse_args()
-    began = time.perf_counter()
-    found = run(args.quick, args.kv_store)
-    say(f"# finished in {time.perf_counter() - began:.1f} s")
-    report(found)
+    main(run, __doc__, {"kv-store": "measure the shared KV store instead of all caches"})
