@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ class BadValue(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class KVLayout:
     """What a stored block's bytes mean; blocks are shared only between equal layouts."""
 
@@ -60,7 +61,7 @@ class KVLayout:
     def kv_shape(self) -> tuple[int, int, int, int]:
         return (self.num_layers, self.block_size, 2 * self.num_kv_heads, self.head_dim)
 
-    @property
+    @cached_property
     def kv_bytes(self) -> int:
         n = self.num_layers * self.block_size * 2 * self.num_kv_heads * self.head_dim
         return n * torch.empty((), dtype=self.dtype).element_size()
@@ -69,15 +70,21 @@ class KVLayout:
     def logprob_bytes(self) -> int:
         return 2 * 4 * self.block_size * self.logprob_width
 
-    @property
+    # NOTE: cached (no slots, so the instance has a __dict__ to keep it in): every key and every
+    # value written carries it, and hashing the fields again cost ~5 us a block.
+    @cached_property
     def digest(self) -> bytes:
         fields = (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.logprob_width)
         return hash_fields(
             b"kv-layout", self.model, str(self.dtype).encode(), *(struct.pack("<q", f) for f in fields)
         )
 
+    @cached_property
+    def _key_prefix(self) -> str:
+        return f"mmkv1:{self.digest.hex()}:"
+
     def key(self, block_hash: BlockHash) -> str:
-        return f"mmkv1:{self.digest.hex()}:{block_hash.hex()}"
+        return self._key_prefix + block_hash.hex()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,19 +99,23 @@ class StoredBlock:
 
 
 def encode(layout: KVLayout, block: StoredBlock) -> bytes:
+    # NOTE: the parts stay views (numpy arrays over the tensors) until the one join that makes the
+    # value: hashed part by part, copied once.
     parts = [
-        np.asarray(block.token_ids, dtype="<i4").tobytes(),
-        block.kv.contiguous().view(torch.uint8).numpy().tobytes(),
+        np.asarray(block.token_ids, dtype="<i4"),
+        block.kv.contiguous().view(torch.uint8).numpy(),
     ]
     flags = 0
     if block.logprob_ids is not None and block.logprob_values is not None:
         flags |= FLAG_LOGPROBS
-        parts.append(block.logprob_ids.to(torch.int32).contiguous().numpy().tobytes())
-        parts.append(block.logprob_values.to(torch.float32).contiguous().numpy().tobytes())
-    payload = b"".join(parts)
-    digest = xxhash.xxh3_128_digest(payload)
-    header = _HEADER.pack(MAGIC, VERSION, flags, layout.digest, block.block_hash, len(payload), digest)
-    return header + payload
+        parts.append(block.logprob_ids.to(torch.int32).contiguous().numpy())
+        parts.append(block.logprob_values.to(torch.float32).contiguous().numpy())
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        hasher.update(part)
+    length = sum(part.nbytes for part in parts)
+    header = _HEADER.pack(MAGIC, VERSION, flags, layout.digest, block.block_hash, length, hasher.digest())
+    return b"".join([header, *parts])
 
 
 def decode(layout: KVLayout, block_hash: BlockHash, value: bytes) -> StoredBlock:

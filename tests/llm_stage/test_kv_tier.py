@@ -16,6 +16,7 @@ import threading
 import time
 
 import pytest
+import redis
 import torch
 
 from mmcache.kv_store_server import RedisServer
@@ -345,6 +346,10 @@ def test_salts_and_layouts_never_share_a_block(one_family: Env, store: RedisServ
             d.close()
 
 
+def exists_calls(client: redis.Redis) -> int:
+    return client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+
+
 def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family: Env, store: RedisServer):
     """The processor probes, then sends the request: a prefix the probe found absent is computed
     without asking the store again (one round trip, not two); a probe that found it reads it."""
@@ -356,7 +361,10 @@ def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family:
         assert tier is not None
         root = root_hash(env.spec.weights_fingerprint, None)
         chain = block_hashes(prompt.token_ids, prompt.spans, 16, root)
+        client = redis.Redis.from_url(store.url)
+        exists = exists_calls(client)
         assert b.loop.run_until_complete(tier.stored(chain)) == 0
+        assert exists_calls(client) == exists + 1  # one block asked about, not the whole chain
         lookups, skipped = tier.stats.lookups, tier.stats.skipped
         got = b.run(env, prompt, GREEDY)
         assert tier.stats.lookups == lookups and tier.stats.skipped == skipped + 1
@@ -367,13 +375,38 @@ def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family:
         try:
             tier = fresh.engine.kv_tier
             assert tier is not None
+            exists = exists_calls(client)
             assert fresh.loop.run_until_complete(tier.stored(chain)) == full_blocks(prompt) // 16
+            assert exists_calls(client) == exists + len(chain)  # the first, then the rest
             again = fresh.run(env, prompt, GREEDY)
             assert tier.stats.lookups == 1 and tier.stats.skipped == 0
             assert again.cached == full_blocks(prompt)
             assert_same(again, reference(env, prompt, GREEDY))
         finally:
             fresh.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_probe_that_finds_the_prefix_clears_an_older_absent_mark(one_family: Env, store: RedisServer):
+    """B is probed while the store lacks a prompt, its request goes to A; the next turn's probe
+    finds A's blocks on B: B reads them (the older mark does not send it to compute)."""
+    env = one_family
+    prompt = make_prompt(env, LONG + " Probed twice.")
+    a, b = replica(env, store.url), replica(env, store.url)
+    try:
+        tier = b.engine.kv_tier
+        assert tier is not None
+        root = root_hash(env.spec.weights_fingerprint, None)
+        chain = block_hashes(prompt.token_ids, prompt.spans, 16, root)
+        assert b.loop.run_until_complete(tier.stored(chain)) == 0  # marked absent on B
+        a.run(env, prompt, GREEDY)  # the request went to A, which wrote its blocks
+        assert b.loop.run_until_complete(tier.stored(chain)) == full_blocks(prompt) // 16
+        got = b.run(env, prompt, GREEDY)
+        assert tier.stats.lookups == 1 and tier.stats.skipped == 0
+        assert got.cached == full_blocks(prompt)
+        assert_same(got, reference(env, prompt, GREEDY))
     finally:
         a.close()
         b.close()
