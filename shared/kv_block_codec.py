@@ -99,17 +99,15 @@ class StoredBlock:
 
 
 def encode(layout: KVLayout, block: StoredBlock) -> bytes:
-    # NOTE: the parts stay views (numpy arrays over the tensors) until the one join that makes the
-    # value: hashed part by part, copied once.
-    parts = [
-        np.asarray(block.token_ids, dtype="<i4"),
-        block.kv.contiguous().view(torch.uint8).numpy(),
-    ]
+    # NOTE: the parts stay views of the tensors' memory until the one join that makes the value:
+    # hashed part by part, copied once.
+    arrays = [np.asarray(block.token_ids, dtype="<i4"), block.kv.contiguous().view(torch.uint8).numpy()]
     flags = 0
     if block.logprob_ids is not None and block.logprob_values is not None:
         flags |= FLAG_LOGPROBS
-        parts.append(block.logprob_ids.to(torch.int32).contiguous().numpy())
-        parts.append(block.logprob_values.to(torch.float32).contiguous().numpy())
+        arrays.append(block.logprob_ids.to(torch.int32).contiguous().numpy())
+        arrays.append(block.logprob_values.to(torch.float32).contiguous().numpy())
+    parts = [a.data.cast("B") for a in arrays]
     hasher = xxhash.xxh3_128()
     for part in parts:
         hasher.update(part)

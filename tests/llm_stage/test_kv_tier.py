@@ -22,6 +22,7 @@ import torch
 from mmcache.kv_store_server import RedisServer
 from mmcache.llm_stage.engine import Engine
 from mmcache.llm_stage.kv_store import RETRY_SECONDS
+from mmcache.llm_stage.kv_tier import KVTier
 from mmcache.shared.block_hash import block_hashes, root_hash
 from mmcache.shared.kv_block_codec import KVLayout, StoredBlock, encode
 from mmcache.shared.messages import SamplingParams
@@ -350,18 +351,34 @@ def exists_calls(client: redis.Redis) -> int:
     return client.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
 
 
+@contextlib.contextmanager
+def two_replicas(env: Env, url: str):
+    a, b = replica(env, url), replica(env, url)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def tier_of(driver: Driver) -> KVTier:
+    assert driver.engine.kv_tier is not None
+    return driver.engine.kv_tier
+
+
+def chain_of(env: Env, prompt: Prompt) -> list:
+    return block_hashes(prompt.token_ids, prompt.spans, 16, root_hash(env.spec.weights_fingerprint, None))
+
+
 def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family: Env, store: RedisServer):
     """The processor probes, then sends the request: a prefix the probe found absent is computed
     without asking the store again (one round trip, not two); a probe that found it reads it."""
     env = one_family
     prompt = make_prompt(env, LONG + " A probe first.")
-    a, b = replica(env, store.url), replica(env, store.url)
-    try:
-        tier = b.engine.kv_tier
-        assert tier is not None
-        root = root_hash(env.spec.weights_fingerprint, None)
-        chain = block_hashes(prompt.token_ids, prompt.spans, 16, root)
-        client = redis.Redis.from_url(store.url)
+    chain = chain_of(env, prompt)
+    client = redis.Redis.from_url(store.url)
+    with two_replicas(env, store.url) as (a, b):
+        tier = tier_of(b)
         exists = exists_calls(client)
         assert b.loop.run_until_complete(tier.stored(chain)) == 0
         assert exists_calls(client) == exists + 1  # one block asked about, not the whole chain
@@ -373,8 +390,7 @@ def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family:
         a.run(env, prompt, GREEDY)
         fresh = replica(env, store.url)
         try:
-            tier = fresh.engine.kv_tier
-            assert tier is not None
+            tier = tier_of(fresh)
             exists = exists_calls(client)
             assert fresh.loop.run_until_complete(tier.stored(chain)) == full_blocks(prompt) // 16
             assert exists_calls(client) == exists + len(chain)  # the first, then the rest
@@ -384,9 +400,6 @@ def test_a_probe_that_found_nothing_spares_the_request_a_second_read(one_family:
             assert_same(again, reference(env, prompt, GREEDY))
         finally:
             fresh.close()
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_probe_that_finds_the_prefix_clears_an_older_absent_mark(one_family: Env, store: RedisServer):
@@ -394,12 +407,9 @@ def test_a_probe_that_finds_the_prefix_clears_an_older_absent_mark(one_family: E
     finds A's blocks on B: B reads them (the older mark does not send it to compute)."""
     env = one_family
     prompt = make_prompt(env, LONG + " Probed twice.")
-    a, b = replica(env, store.url), replica(env, store.url)
-    try:
-        tier = b.engine.kv_tier
-        assert tier is not None
-        root = root_hash(env.spec.weights_fingerprint, None)
-        chain = block_hashes(prompt.token_ids, prompt.spans, 16, root)
+    chain = chain_of(env, prompt)
+    with two_replicas(env, store.url) as (a, b):
+        tier = tier_of(b)
         assert b.loop.run_until_complete(tier.stored(chain)) == 0  # marked absent on B
         a.run(env, prompt, GREEDY)  # the request went to A, which wrote its blocks
         assert b.loop.run_until_complete(tier.stored(chain)) == full_blocks(prompt) // 16
@@ -407,9 +417,6 @@ def test_a_probe_that_finds_the_prefix_clears_an_older_absent_mark(one_family: E
         assert tier.stats.lookups == 1 and tier.stats.skipped == 0
         assert got.cached == full_blocks(prompt)
         assert_same(got, reference(env, prompt, GREEDY))
-    finally:
-        a.close()
-        b.close()
 
 
 def _ignore(fn, *args) -> None:
