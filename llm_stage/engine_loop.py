@@ -91,7 +91,7 @@ class EngineLoop:
             finally:
                 self._stepping = False
                 self._run_deferred()
-            self.metrics.step(started, time.perf_counter(), result.outputs)
+            self.metrics.step(started, time.perf_counter(), result.outputs, result.computed)
             self._deliver(result)
             idle = not result.computed and not result.outputs
 

@@ -182,6 +182,10 @@ class LLMMetrics:
             "mmcache_llm_inter_token_latency_seconds", "gap between two tokens of a request", TOKEN_BUCKETS
         )
         self.e2e = seconds("mmcache_llm_e2e_request_latency_seconds", "request received → last token")
+        # NOTE: next to the inter-token latency it tells the step from the loop around it
+        self.step_seconds = seconds(
+            "mmcache_llm_engine_step_seconds", "one computed step: scheduling, model, sampling", TOKEN_BUCKETS
+        )
         self.queue = seconds(
             "mmcache_llm_request_queue_time_seconds", "submitted to the engine → first scheduled"
         )
@@ -236,8 +240,11 @@ class LLMMetrics:
         self._timings.pop(seq_id, None)
         self._unscheduled.pop(seq_id, None)
 
-    def step(self, started: float, ended: float, outputs: list[StepOutput]) -> None:
-        """An engine step ran from ``started`` to ``ended`` and produced ``outputs``."""
+    def step(self, started: float, ended: float, outputs: list[StepOutput], computed: bool = True) -> None:
+        """An engine step ran from ``started`` to ``ended`` and produced ``outputs`` (``computed``:
+        it ran the model)."""
+        if computed:
+            self.step_seconds.observe(ended - started)
         for seq_id, t in list(self._unscheduled.items()):
             if t.seq.status not in _UNSCHEDULED:  # admitted this step (or ended)
                 t.scheduled = started

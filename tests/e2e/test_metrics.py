@@ -124,6 +124,8 @@ def test_a_repeated_image_moves_every_counter_by_its_exact_amount(server):
     }
     got = {key: delta(after, before, *key) for key in moved}
     assert got == moved
+    steps = delta(after, before, "llm", "mmcache_llm_engine_steps_total")
+    assert steps > 0 and delta(after, before, "llm", "mmcache_llm_engine_step_seconds_count") == steps
     assert delta(after, before, "processor", "mmcache_processor_requests_total", status="200", code="") == 1
     for stage, names in LATENCIES.items():
         for name in names:
