@@ -239,14 +239,14 @@ class KVTier:
         checked); 0 on any store fault."""
         if not hashes or self.store.down():
             return 0
-        keys = [self.layout.key(h) for h in hashes]
+        key = self.layout.key
         try:
             async with asyncio.timeout(self.store.timeout):
                 # NOTE: the first block alone, then the rest only if it is there: a prefix the store
                 # lacks (every unseen prompt) costs one small command, not one per block.
-                found = await self.store.exists_many(keys[:1])
-                if found[0] and len(keys) > 1:
-                    found += await self.store.exists_many(keys[1:])
+                found = await self.store.exists_many([key(hashes[0])])
+                if found[0] and len(hashes) > 1:
+                    found += await self.store.exists_many([key(h) for h in hashes[1:]])
         except Exception as exc:
             self._failed(exc)
             return 0
