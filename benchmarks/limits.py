@@ -17,13 +17,17 @@ The engine runs in this process with the thread count of this process (``--threa
 every core, as the LLM stage gets by default). ``MMCACHE_BENCH_MODEL`` points at a ``mid``
 checkpoint to use; otherwise one is generated (~20 s) and kept. ``MMCACHE_BENCH_RESULTS=FILE`` writes
 the figures as JSON with the commit, date, machine and load average. ``--profile DIR`` also writes a
-torch profiler table of one decode step and one prefill there.
+torch profiler table of one decode step and one prefill there. It runs under the environment
+``mmcache serve`` gives its stages (:func:`mmcache.placement.stage_env`: how idle OpenMP threads
+wait, huge pages), re-executing itself where its own environment lacks it: libgomp reads its
+variables when torch loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,7 @@ import torch
 
 from mmcache import results as results_file
 from mmcache.benchmarks.common import Budget, Result, measure, median, model_dir, report, say, spread
+from mmcache.placement import stage_env
 
 DECODE_GOAL = 1.15
 PROMPT_TOKENS = 512
@@ -213,6 +218,11 @@ def main() -> None:
     )
     parser.add_argument("--profile", default="", metavar="DIR", help="write profiler tables to DIR")
     args = parser.parse_args()
+    added = stage_env(dict(os.environ))
+    if added:  # as the LLM stage runs: the variables must be there before torch loads
+        say(f"# re-running under the stages' environment: {added}")
+        argv = [sys.executable, "-m", "mmcache.benchmarks.limits", *sys.argv[1:]]
+        os.execve(sys.executable, argv, dict(os.environ) | added)
     start = time.perf_counter()
     results = run(args.quick, args.threads, args.dtype, args.profile)
     say(f"# finished in {time.perf_counter() - start:.1f} s (load average {os.getloadavg()})")

@@ -8,17 +8,26 @@ processor's resizing is light: half the cores. On 2 cores: LLM 2, encoder 2, pro
 
 Stages that overlap (the encoder on one request while the LLM decodes others) then share the cores.
 How an OpenMP thread waits for the next operator decides what that sharing costs. libgomp's
-default spins ~10 ms (300,000 rounds) after each parallel operator: next to another busy
-process, a thread spinning at the end of an operator holds the core its partner needs, and
-decoding with 2 threads ran 5-15x slower than with 1. Sleeping at once
+default spins 300,000 rounds after each parallel operator (~10 ms on the 2-core AMD EPYC VM): next
+to another busy process, a thread spinning at the end of an operator holds the core its partner
+needs, and decoding with 2 threads ran 5-15x slower than with 1. Sleeping at once
 (``OMP_WAIT_POLICY=PASSIVE``) fixes that but makes every operator wake the sleeping thread: a
-decode step on a 24-layer model is ~100 parallel operators (each weight product), and the
-wake-ups cost it ~30% on a quiet 2-core VM. The launcher sets ``GOMP_SPINCOUNT=1000`` (~35 us
-of spinning here) for its children, a middle between the two: next to a process with 2 busy
-threads, decode in process took 97 ms (default spin 214-237, PASSIVE 83-100); on the quiet VM, 80-89
-ms in process (default spin 61-70, PASSIVE 78-122), and served end to end it was within 4% of
-``GOMP_SPINCOUNT=30000`` on every row and ahead of PASSIVE on decode (95 vs 107 ms). An environment
-that already says how OpenMP threads wait is left alone.
+decode step on a 24-layer model is ~100 parallel operators (each weight product), and in a VM a
+wake-up costs ~100 us. The launcher sets ``GOMP_SPINCOUNT=1000`` for its children, a middle
+between the two: next to a process with 2 busy threads, decode in process took 97 ms on the EPYC
+(default spin 214-237, PASSIVE 83-100), and served end to end it was within 4% of
+``GOMP_SPINCOUNT=30000`` on every row and ahead of PASSIVE on decode (95 vs 107 ms). A round is
+one ``pause`` instruction, whose cost differs by CPU (~10 ns on a 2-core Intel Xeon with AMX,
+2026-12-03), so 1,000 rounds bridge less of a step's gaps there: its decode step (``mid``, bf16,
+in process) took 52-54 ms with 1,000 against 42-46 ms with 30,000 on a quiet machine, but 73 ms
+against 92 ms next to a process with 2 busy threads (PASSIVE: 54-56 and 75 ms). The count stays
+at 1,000, the better of the two under load. An environment that already says how OpenMP threads
+wait is left alone.
+
+Large tensors get transparent huge pages (torch's ``THP_MEM_ALLOC_ENABLE=1``, for allocations of
+2 MiB and more) unless the environment sets that variable: a decode step reads every weight once,
+and with 4 KiB pages the weight products ran ~10% slower (the 97 products of a ``mid`` step on
+that Xeon: 36.2 against 33.3 ms; the step, in process: 49.0 against 44.8-45.9 ms).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass
 STAGES = ("processor", "encoder", "llm")
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 SPIN_ROUNDS = 1000  # GOMP_SPINCOUNT: how long an idle OpenMP thread spins before it sleeps
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # torch: madvise huge pages for allocations of 2 MiB and more
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,5 +59,12 @@ def place(
     stages, a stage's own count (``--llm-threads`` ...) overrides it, the rest is the default."""
     base = {s: every for s in STAGES} if every is not None else default_threads(cores)
     threads = {s: per_stage.get(s) or base[s] for s in STAGES}
+    return Placement(threads, stage_env(environ))
+
+
+def stage_env(environ: dict[str, str]) -> dict[str, str]:
+    """What a stage's environment gets added: the spin and huge pages, where ``environ`` is silent."""
     env = {} if any(v in environ for v in WAIT_VARIABLES) else {"GOMP_SPINCOUNT": str(SPIN_ROUNDS)}
-    return Placement(threads, env)
+    if HUGE_PAGES not in environ:
+        env[HUGE_PAGES] = "1"
+    return env

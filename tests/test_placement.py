@@ -18,10 +18,15 @@ def test_on_two_cores_the_llm_stage_gets_both():
 
 
 def test_a_short_spin_unless_the_environment_says_how_threads_wait():
-    assert place(2, {}, None, {}).env == {"GOMP_SPINCOUNT": "1000"}
-    assert place(2, {"OMP_WAIT_POLICY": "ACTIVE"}, None, {}).env == {}
-    assert place(2, {"GOMP_SPINCOUNT": "50"}, None, {}).env == {}
-    assert place(2, {"KMP_BLOCKTIME": "0"}, None, {}).env == {}
+    huge = {"THP_MEM_ALLOC_ENABLE": "1"}
+    assert place(2, {}, None, {}).env == {"GOMP_SPINCOUNT": "1000"} | huge
+    assert place(2, {"OMP_WAIT_POLICY": "ACTIVE"}, None, {}).env == huge
+    assert place(2, {"GOMP_SPINCOUNT": "50"}, None, {}).env == huge
+    assert place(2, {"KMP_BLOCKTIME": "0"}, None, {}).env == huge
+
+
+def test_huge_pages_unless_the_environment_sets_them():
+    assert place(2, {"THP_MEM_ALLOC_ENABLE": "0"}, None, {}).env == {"GOMP_SPINCOUNT": "1000"}
 
 
 def test_torch_threads_sets_every_stage_and_a_stage_flag_overrides_it():
@@ -73,4 +78,4 @@ def test_serve_starts_its_stages_with_the_placement(tiny_model):
                 stages[stage] = (int(argv[argv.index("--torch-threads") + 1]), env)
     # The harness runs servers with OMP_NUM_THREADS=1: that sets the stages the flags leave alone.
     assert {name: n for name, (n, _) in stages.items()} == {"llm": 2, "encoder": 1, "processor": 1}
-    assert all("GOMP_SPINCOUNT=1000" in env for _, env in stages.values())
+    assert all("GOMP_SPINCOUNT=1000" in env and "THP_MEM_ALLOC_ENABLE=1" in env for _, env in stages.values())
