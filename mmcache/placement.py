@@ -12,9 +12,10 @@ default spins 300,000 rounds after each parallel operator (~10 ms on the 2-core 
 to another busy process, a thread spinning at the end of an operator holds the core its partner
 needs, and decoding with 2 threads ran 5-15x slower than with 1. Sleeping at once
 (``OMP_WAIT_POLICY=PASSIVE``) fixes that but makes every operator wake the sleeping thread: a
-decode step on a 24-layer model is ~100 parallel operators (each weight product), and in a VM a
-wake-up costs ~100 us. The launcher sets ``GOMP_SPINCOUNT=1000`` for its children, a middle
-between the two: next to a process with 2 busy threads, decode in process took 97 ms on the EPYC
+decode step on a 24-layer model is ~100 parallel operators (each weight product), and the
+wake-ups cost it ~30% on a quiet 2-core VM (~100 us each). The launcher sets
+``GOMP_SPINCOUNT=1000`` for its children, a middle between the two: next to a process with 2
+busy threads, decode in process took 97 ms on the EPYC
 (default spin 214-237, PASSIVE 83-100), and served end to end it was within 4% of
 ``GOMP_SPINCOUNT=30000`` on every row and ahead of PASSIVE on decode (95 vs 107 ms). A round is
 one ``pause`` instruction, whose cost differs by CPU (~10 ns on a 2-core Intel Xeon with AMX,
