@@ -3,7 +3,7 @@
 (a) Memory bandwidth: a large bfloat16 copy (bytes read + written per second).
 (b) matmul throughput in that dtype: 2048 rows times a 2048² weight through the product the engine uses
     (:class:`~mmcache.shared.linear.Projection`: oneDNN with the weight packed, where the CPU has
-    bfloat16), in FLOP/s.
+    bfloat16; FBGEMM over float16 weights in float32), in FLOP/s.
 (c) Decode, ms per token at batch 1 on the ``mid`` checkpoint (Qwen2-0.5B's text shape) in the dtype
     the LLM stage picks by default (bfloat16 where the CPU computes in it, else float32; ``--dtype``),
     through the engine (scheduler, model runner, sampler), against the bandwidth bound: the bytes of
@@ -57,7 +57,9 @@ def matmul_flops(budget: Budget, dtype: torch.dtype) -> tuple[float, list[float]
     from mmcache.shared.linear import Projection
 
     x = torch.randn(MATMUL, MATMUL).to(dtype)
-    proj = Projection(torch.randn(MATMUL, MATMUL).to(dtype))
+    # NOTE: a weight of bfloat16 values, as the checkpoints' are: in float32 it takes the layout
+    # the engine gives such a weight (FBGEMM's float16 weights where they hold it exactly).
+    proj = Projection(torch.randn(MATMUL, MATMUL).to(torch.bfloat16).to(dtype))
     times = measure(lambda: proj(x), budget)
     return 2 * MATMUL**3 / median(times), times
 

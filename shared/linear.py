@@ -1,20 +1,30 @@
-"""Weight products (the decoder's, the vision tower's): ``F.linear``, or oneDNN over a weight packed
-once at load.
+"""Weight products (the decoder's, the vision tower's): ``F.linear``, or a weight laid out once at
+load for a faster CPU kernel.
 
-On a CPU, torch's bfloat16 ``F.linear`` runs through oneDNN but keeps no packed weight between
-calls: every call lays the weight out for the kernel again, so a batch-1 decode step, which is
-nothing but reading weights, moves each weight several times. Packing each weight once
-(``torch.ops.mkldnn._reorder_linear_weight``, the layout torch's own CPU compiler freezes weights
-into) and calling the packed product reads it once: on a 2-core AVX512-BF16 VM the 24 layers of
-Qwen2-0.5B's shape went from 78 to 37 ms a token at batch 1, and prefill got faster too.
+Two layouts, each chosen only where it computes what the checkpoint says:
 
-Same kernel, same accumulation: the packed product equals ``F.linear`` bit for bit, for one row
-(oneDNN's matrix-vector path) as for many. A weight is packed only after a probe at load shows
-that equality on this machine; otherwise (float32, CUDA, a CPU without bfloat16 support) it stays
-dense.
+- **oneDNN, packed bfloat16** (a CPU with AVX512-BF16 or AMX, bfloat16 compute). torch's bfloat16
+  ``F.linear`` runs through oneDNN but keeps no packed weight between calls: every call lays the
+  weight out for the kernel again. Packing each weight once
+  (``torch.ops.mkldnn._reorder_linear_weight``, the layout torch's own CPU compiler freezes weights
+  into) reads it once: on a 2-core AVX512-BF16 VM the 24 layers of Qwen2-0.5B's shape went from 78
+  to 37 ms a token at batch 1. Same kernel, same accumulation: the packed product equals
+  ``F.linear`` bit for bit, for one row as for many (a probe at load checks it on this machine).
+- **FBGEMM, float16 weights with float32 arithmetic** (float32 compute on a CPU, where the weight's
+  values fit float16 exactly: a bfloat16 checkpoint served in float32 on a CPU without bfloat16
+  kernels). A batch-1 decode step reads every weight once, so its time is the weight bytes over
+  the memory's speed; float32 weights are twice the checkpoint's bytes. FBGEMM (shipped inside
+  torch, its dynamic-fp16 linear) keeps the weight in float16, widens it in registers and
+  multiplies and sums in float32: the values are the checkpoint's, the bytes half. A bfloat16
+  value has 8 significant bits, float16 11 but a narrower exponent range, so the weight is scaled
+  by a power of two first (exact) and the output scaled back (exact); a weight with any value that
+  would not survive the round trip stays dense float32. The sums run in another order than MKL's
+  (differences at float32's rounding, as between any two float32 kernels).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -23,31 +33,67 @@ from torch import nn
 from mmcache.shared.torch_utils import cpu_has_bfloat16
 
 _PROBE_ROWS = 5  # rows of the load-time check (and one row alone: a kernel of its own)
+_HALF_TOP = 14  # a half weight's largest magnitude is scaled into [2**13, 2**14): far below float16's max
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_bfloat16()
 
 
+def half_supported(weight: torch.Tensor) -> bool:
+    """Whether float32 ``weight`` may run through FBGEMM's float16-weight product here."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def half_scale(weight: torch.Tensor) -> int | None:
+    """The power of two ``s`` for which ``weight * 2**s`` is exactly a float16 tensor, or None."""
+    top = float(weight.abs().max()) if weight.numel() else 0.0
+    if not math.isfinite(top):
+        return None
+    scale = _HALF_TOP - math.ceil(math.log2(top)) if top > 0 else 0
+    scaled = weight * 2.0**scale
+    return scale if torch.equal(scaled.half().float(), scaled) else None
+
+
 class Projection:
-    """``x @ weight.T + bias`` over rows ``x`` (rows, in_features)."""
+    """``x @ weight.T + bias`` over rows ``x`` (rows, in_features).
 
-    __slots__ = ("bias", "nbytes", "numel", "packed", "weight")
+    ``half``: allow the float16-weight layout (decoder weights; the vision tower, whose products
+    are many rows each, keeps MKL's float32 kernel).
+    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight  # dense (out_features, in_features), or oneDNN's packed tensor
+    __slots__ = ("bias", "half_scale", "kind", "nbytes", "numel", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, half: bool = True):
+        self.weight = weight  # dense (out_features, in_features), or a kernel's packed weight
         self.bias = bias
         self.numel = weight.numel()
         self.nbytes = weight.numel() * weight.element_size()  # what a step reads
-        self.packed = False
+        self.kind = "dense"
+        self.half_scale = 0
         if packing_supported(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if _same_as_dense(weight, bias, packed):
-                self.weight, self.packed = packed, True
+                self.weight, self.kind = packed, "onednn"
+        elif half and half_supported(weight) and (scale := half_scale(weight)) is not None:
+            self.weight = torch.ops.quantized.linear_prepack_fp16(weight * 2.0**scale, None)
+            self.kind, self.half_scale, self.nbytes = "fp16", scale, self.numel * 2
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight lives in a kernel's own layout (the dense tensor can be let go)."""
+        return self.kind != "dense"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.kind == "fp16":
+            out = torch.ops.quantized.linear_dynamic_fp16(x, self.weight)
+            if self.half_scale:
+                out.mul_(2.0**-self.half_scale)
+            return out if self.bias is None else out.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -73,15 +119,15 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside ``module`` whose weight packs by a :class:`PackedLinear`
-    (the dense weight is let go); returns how many were replaced."""
+    """Replace every ``nn.Linear`` inside ``module`` whose weight packs for oneDNN by a
+    :class:`PackedLinear` (the dense weight is let go); returns how many were replaced."""
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             bias = None if child.bias is None else child.bias.detach()
-            proj = Projection(child.weight.detach(), bias)
+            proj = Projection(child.weight.detach(), bias, half=False)
             if proj.packed:
                 setattr(parent, name, PackedLinear(proj, child.in_features))
                 replaced += 1

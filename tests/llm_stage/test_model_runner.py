@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
 
 from mmcache.llm_stage.model_runner import fold_sin, rotate_
@@ -90,3 +92,31 @@ def test_a_bf16_model_keeps_one_copy_of_each_weight_and_computes_what_the_checkp
     assert torch.equal(lm.logits(x), want)
     params = sum(v.numel() for k, v in state.items() if "proj" in k and k.endswith("weight"))
     assert lm.step_parameters() == params + head.numel()
+
+
+def test_a_bfloat16_checkpoint_in_float32_reads_half_weights_and_computes_its_values(tiny_models, tmp_path):
+    """A bfloat16 checkpoint served in float32 (a CPU without bfloat16 kernels): its projections
+    keep float16 weights (the checkpoint's values exactly), one copy each, half the bytes a step."""
+    path = tmp_path / "bf16"
+    shutil.copytree(tiny_models["qwen2-vl"], path)
+    for file in path.glob("*.safetensors"):
+        save_file(
+            {k: v.to(torch.bfloat16) for k, v in load_file(file).items()}, file, metadata={"format": "pt"}
+        )
+    spec = ModelSpec.load(path)
+    lm = TextLM(spec, torch.device("cpu"), torch.float32)
+    half = "fbgemm" in torch.backends.quantized.supported_engines
+    state = {k: v.float() for k, v in load_weights(spec.path, text_weight_name).items()}
+    x = torch.randn(7, lm.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    for i, w in enumerate(lm.fused):
+        assert w.gate_up is not None and w.down is not None
+        for proj in (w.qkv, w.o, w.gate_up, w.down):
+            assert proj.packed == half and proj.nbytes == proj.numel * (2 if half else 4)
+        pre = f"model.layers.{i}."
+        qkv = torch.cat([state[f"{pre}self_attn.{n}_proj.weight"] for n in "qkv"])
+        bias = torch.cat([state[f"{pre}self_attn.{n}_proj.bias"] for n in "qkv"])
+        torch.testing.assert_close(w.qkv(x), F.linear(x, qkv, bias), rtol=1e-5, atol=1e-6)
+        gate_up = torch.cat([state[f"{pre}mlp.gate_proj.weight"], state[f"{pre}mlp.up_proj.weight"]])
+        torch.testing.assert_close(w.gate_up(x), F.linear(x, gate_up), rtol=1e-5, atol=1e-6)
+    if half:  # the modules gave their float32 weights up
+        assert lm.layers[0].mlp.down_proj.weight.untyped_storage().nbytes() == 0

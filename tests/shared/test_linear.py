@@ -37,3 +37,67 @@ def test_pack_linears_swaps_the_modules_that_pack_and_keeps_their_output():
         assert pack_linears(model) == (2 if CPU_BF16 else 0)
         assert torch.equal(model(x), want)
     assert all(isinstance(m, PackedLinear) for m in (model[0], model[2])) == CPU_BF16
+
+
+def _bf16_valued(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A float32 weight holding bfloat16 values: a bfloat16 checkpoint served in float32."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16).float()
+
+
+HALF = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@pytest.mark.skipif(not HALF, reason="this torch build has no FBGEMM")
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_values_in_float32_run_on_half_weights_and_compute_the_float32_product(bias):
+    weight = _bf16_valued(300, 96, seed=7)
+    b = torch.randn(300, generator=torch.Generator().manual_seed(8)) if bias else None
+    proj = Projection(weight, b)
+    assert proj.kind == "fp16" and proj.packed
+    assert proj.nbytes == weight.numel() * 2  # a step reads half the bytes of the float32 weight
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(9))
+    for rows in (1, 2, 37):
+        got, want = proj(x[:rows]), F.linear(x[:rows], weight, b)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # float32 sums, another order
+    rounded = F.linear(x, weight.half().float(), b)  # what a plain float16 cast would have computed
+    assert not torch.equal(proj(x), rounded) or torch.equal(weight.half().float(), weight)
+
+
+@pytest.mark.skipif(not HALF, reason="this torch build has no FBGEMM")
+def test_the_power_of_two_scale_keeps_values_outside_float16s_range_exact():
+    weight = _bf16_valued(64, 32, seed=10)
+    weight[0, 0] = float(torch.tensor(3.0e-6).to(torch.bfloat16))  # below float16's normal range:
+    weight[1, 1] = -(2.0**-20)  # exact once scaled
+    weight[2, 2] = 0.0
+    proj = Projection(weight)
+    assert proj.kind == "fp16" and proj.half_scale > 0
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0
+    assert proj(x)[0, 0] == weight[0, 0]  # one product, so no order of sums: the exact value back
+    x[0, 0], x[0, 1] = 0.0, 1.0
+    assert proj(x)[0, 1] == weight[1, 1]
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda w: w.add_(torch.randn(w.shape) * 1e-5),  # float32 values: 24 significant bits
+        lambda w: w.__setitem__((0, 0), 1e-30),  # too small next to the rest even scaled
+        lambda w: w.__setitem__((0, 0), float("inf")),
+    ],
+)
+def test_weights_float16_cannot_hold_exactly_stay_dense(spoil):
+    weight = _bf16_valued(64, 32, seed=11)
+    spoil(weight)
+    proj = Projection(weight)
+    assert proj.kind == "dense" and proj.weight is weight
+
+
+def test_the_half_layout_is_only_taken_where_allowed():
+    weight = _bf16_valued(64, 32, seed=12)
+    assert Projection(weight, half=False).kind == "dense"
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64))
+    model[0].weight.data = weight.t().contiguous()
+    assert pack_linears(model) == 0  # the vision tower's many-row products keep MKL's float32 kernel
