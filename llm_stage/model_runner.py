@@ -127,20 +127,20 @@ class ModelRunner:
     def _layer(self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
         lm = self.lm
         n, heads, kv_heads = hidden.shape[0], lm.num_heads, lm.num_kv_heads
-        x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)
-        qkv = w.qkv(x).view(n, heads + 2 * kv_heads, lm.head_dim)
+        x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)  # times qkv's input scale
+        qkv = w.qkv.prescaled(x).view(n, heads + 2 * kv_heads, lm.head_dim)
         if w.qk_norm is not None:
             qk_norm_(qkv[:, : heads + kv_heads], w.qk_norm, w.qk_eps)
         rotate_(qkv[:, : heads + kv_heads], *rope)
         self.attention.write(idx, qkv[:, heads:], plan)
         out = self.attention.attend(idx, qkv, plan)
-        hidden = hidden + w.o(out)
-        x = F.rms_norm(hidden, w.norm_shape, w.post_norm, w.eps)
+        hidden = w.o.add_to(hidden, out)
+        x = F.rms_norm(hidden, w.norm_shape, w.post_norm, w.eps)  # times gate_up's input scale
         if w.moe is not None:
             return hidden + w.moe(x[None])[0]
         assert w.gate_up is not None and w.act is not None and w.down is not None  # a dense MLP
-        gate, up = w.gate_up(x).chunk(2, dim=-1)
-        return hidden + w.down(w.act(gate) * up)
+        gate, up = w.gate_up.prescaled(x).chunk(2, dim=-1)
+        return w.down.add_to(hidden, w.act(gate) * up)
 
     def decode_logits(self, ids: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
         """Logits (float32) of rows that each compute one generated token (no media rows, no prompt

@@ -33,6 +33,8 @@ class LayerWeights:
     gate_up: Projection | None  # hidden -> 2 * intermediate; None in a mixture-of-experts layer
     down: Projection | None
     act: Callable[[torch.Tensor], torch.Tensor] | None
+    # The norms' weights carry the input scale of the projection they feed (folded in, exact:
+    # :meth:`~mmcache.shared.linear.Projection.prescaled`), so the layer calls ``prescaled``.
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     norm_shape: tuple[int]
@@ -74,6 +76,10 @@ def _project(linears: list[nn.Linear]) -> Projection:
     return proj
 
 
+def _scaled(norm: torch.Tensor, scale: float) -> torch.Tensor:
+    return norm if scale == 1.0 else norm * scale
+
+
 def _layer_weights(layer: Any, heads: int, kv_heads: int) -> LayerWeights:
     """``layer``: a transformers decoder layer (its submodules are named as in the family's)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -84,14 +90,16 @@ def _layer_weights(layer: Any, heads: int, kv_heads: int) -> LayerWeights:
     if hasattr(attn, "q_norm"):
         qk_norm = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
         qk_eps = attn.q_norm.variance_epsilon
+    qkv_proj = _project(qkv)
+    gate_up = None if moe else _project([mlp.gate_proj, mlp.up_proj])
     return LayerWeights(
-        qkv=_project(qkv),
+        qkv=qkv_proj,
         o=_project([attn.o_proj]),
-        gate_up=None if moe else _project([mlp.gate_proj, mlp.up_proj]),
+        gate_up=gate_up,
         down=None if moe else _project([mlp.down_proj]),
         act=None if moe else mlp.act_fn,
-        input_norm=norm.weight,
-        post_norm=layer.post_attention_layernorm.weight,
+        input_norm=_scaled(norm.weight, qkv_proj.input_scale),
+        post_norm=_scaled(layer.post_attention_layernorm.weight, gate_up.input_scale if gate_up else 1.0),
         norm_shape=(norm.weight.shape[0],),
         eps=norm.variance_epsilon,
         qk_norm=qk_norm,
@@ -137,6 +145,7 @@ class TextLM(nn.Module):
             # NOTE: a tied head shares the embedding table, which lookups need dense: packing it
             # keeps a second copy (the price of reading it at the packed kernel's speed).
             self.head = Projection(self.lm_head.weight.detach())
+            self.head_norm = _scaled(self.model.norm.weight, self.head.input_scale)
             if self.head.packed and not tied:
                 empty = self.lm_head.weight.new_empty((0, config.hidden_size))
                 self.lm_head.weight = nn.Parameter(empty, requires_grad=False)
@@ -154,7 +163,9 @@ class TextLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         norm = self.model.norm
-        return self.head(F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)).float()
+        return self.head.prescaled(
+            F.rms_norm(hidden, norm.weight.shape, self.head_norm, norm.variance_epsilon)
+        ).float()
 
     def step_weight_bytes(self) -> int:
         """Bytes of weights a decode step reads: every projection, norm and expert, not the

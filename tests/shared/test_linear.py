@@ -101,3 +101,22 @@ def test_the_half_layout_is_only_taken_where_allowed():
     model = torch.nn.Sequential(torch.nn.Linear(32, 64))
     model[0].weight.data = weight.t().contiguous()
     assert pack_linears(model) == 0  # the vision tower's many-row products keep MKL's float32 kernel
+
+
+@pytest.mark.skipif(not HALF, reason="this torch build has no FBGEMM")
+def test_a_scale_folded_into_the_norm_before_or_the_sum_after_changes_no_bit():
+    """The layer folds a half projection's scale into the norm's weight before it (``prescaled``) or
+    into the residual addition after it (``add_to``): both exact, so the same bits as the plain call."""
+    gen = torch.Generator().manual_seed(13)
+    proj, biased = Projection(_bf16_valued(200, 64, seed=14)), Projection(_bf16_valued(200, 64, seed=15))
+    biased.bias = torch.randn(200, generator=gen)
+    assert proj.input_scale < 1.0  # the weights were scaled up, inputs come scaled down
+    hidden, norm = torch.randn(9, 64, generator=gen) * 4, torch.randn(64, generator=gen)
+    x = F.rms_norm(hidden, (64,), norm, 1e-6)
+    folded = F.rms_norm(hidden, (64,), norm * proj.input_scale, 1e-6)
+    assert torch.equal(folded, x * proj.input_scale)
+    for p in (proj, biased):
+        assert torch.equal(p.prescaled(x * p.input_scale), p(x))
+    residual = torch.randn(9, 200, generator=gen)
+    assert torch.equal(proj.add_to(residual, x), residual + proj(x))
+    assert torch.equal(biased.add_to(residual, x), residual + biased(x))
