@@ -93,7 +93,11 @@ class PromptBuilder:
         out: list[int] = []
         spans: list[MediaSpan] = []
         items = iter(media)
-        for token in ids:
+        skip_end = False
+        for i, token in enumerate(ids):
+            if skip_end:
+                skip_end = False
+                continue
             modality = by_id.get(token)
             if modality is None:
                 out.append(token)
@@ -102,6 +106,12 @@ class PromptBuilder:
             if layout is None or layout.modality != modality:
                 raise bad_request("the chat template's media placeholders do not match the request's media")
             if modality == "video" and self.timestamped_video:
+                # NOTE: as the reference processor does, a placeholder wrapped in vision start/end
+                # is replaced whole: each chunk brings its own start and end.
+                wrapped = out[-1:] == [self._vision_start] and ids[i + 1 : i + 2] == [self._vision_end]
+                if wrapped:
+                    out.pop()
+                    skip_end = True
                 self._timestamped(layout, token, out, spans)
                 continue
             spans.append(

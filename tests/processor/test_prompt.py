@@ -83,7 +83,7 @@ def test_qwen3_video_prompt_equals_hf_processor(tiny_models):
             assert ids[span.offset - 1] == spec.config["vision_start_token_id"]
             assert ids[span.offset + per_chunk] == spec.config["vision_end_token_id"]
         text = AutoProcessor.from_pretrained(path).tokenizer.decode(ids[: spans[0].offset])
-        assert text.endswith("<|vision_start|><0.2 seconds><|vision_start|>")
+        assert text.endswith("user\n<0.2 seconds><|vision_start|>")  # the wrapper is replaced whole
         built[n] = ids, spans
     (short, short_spans), (long, _) = built[5], built[8]
     # 5 frames: chunks (0, 1), (2, 3), (4, 4 padded); 8 frames share the first two exactly
