@@ -34,7 +34,7 @@ from torch import nn
 from mmcache.shared.torch_utils import cpu_has_bfloat16
 
 _PROBE_ROWS = 5  # rows of the load-time check (and one row alone: a kernel of its own)
-_HALF_TOP = 14  # a half weight's largest magnitude is scaled into [2**13, 2**14): far below float16's max
+_HALF_TOP = 14  # a half weight's largest magnitude is scaled into (2**13, 2**14]: far below float16's max
 # NOTE: the operators' overloads, not their packets: a packet's call checks in Python how to dispatch
 # (~30 us a call on a 2-core VM: 3 ms of a 97-product decode step).
 
@@ -64,14 +64,15 @@ def half_supported(weight: torch.Tensor) -> bool:
     return _HAS_HALF and "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def half_scale(weight: torch.Tensor) -> int | None:
-    """The power of two ``s`` for which ``weight * 2**s`` is exactly a float16 tensor, or None."""
+def half_scaled(weight: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """The power of two ``s`` for which ``weight * 2**s`` is exactly a float16 tensor, and that
+    product (still float32, for the prepack), or None."""
     top = float(weight.abs().max()) if weight.numel() else 0.0
     if not math.isfinite(top):
         return None
     scale = _HALF_TOP - math.ceil(math.log2(top)) if top > 0 else 0
     scaled = weight * 2.0**scale
-    return scale if torch.equal(scaled.half().float(), scaled) else None
+    return (scale, scaled) if torch.equal(scaled.half().float(), scaled) else None
 
 
 class Projection:
@@ -94,9 +95,10 @@ class Projection:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if _same_as_dense(weight, bias, packed):
                 self.weight, self.kind = packed, "onednn"
-        elif half and half_supported(weight) and (scale := half_scale(weight)) is not None:
-            self.weight = torch.ops.quantized.linear_prepack_fp16(weight * 2.0**scale, None)
-            self.kind, self.half_scale, self.nbytes = "fp16", scale, self.numel * 2
+        elif half and half_supported(weight) and (fits := half_scaled(weight)) is not None:
+            self.half_scale, scaled = fits
+            self.weight = torch.ops.quantized.linear_prepack_fp16(scaled, None)
+            self.kind, self.nbytes = "fp16", self.numel * 2
 
     @property
     def packed(self) -> bool:
