@@ -7,7 +7,6 @@ import base64
 import io
 from fractions import Fraction
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -37,6 +36,8 @@ def video_bytes(
 ) -> bytes:
     """An intra-only MPEG-4 clip: every frame decodes on its own, so the first frames of a longer
     recording of the same clip decode to exactly the same pixels."""
+    import av  # NOTE: imported here: only video needs it, and it is a large library
+
     buf = io.BytesIO()
     with av.open(buf, mode="w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=fps)

@@ -11,7 +11,6 @@ import re
 import warnings
 from dataclasses import dataclass
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -52,6 +51,8 @@ def decode_image(data: bytes, limits: DecodeLimits, where: str) -> Image.Image:
 
 
 def decode_video(data: bytes, limits: DecodeLimits, where: str) -> DecodedVideo:
+    import av  # NOTE: imported on the first video: images, text and the other stages never need it
+
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
@@ -108,6 +109,8 @@ def _duration(container, stream) -> float | None:
     if stream.duration is not None and stream.time_base is not None:
         return float(stream.duration * stream.time_base)
     if container.duration is not None:
+        import av  # already loaded by decode_video
+
         return container.duration / av.time_base
     return None
 
