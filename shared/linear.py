@@ -10,6 +10,10 @@ Two layouts, each chosen only where it computes what the checkpoint says:
   into) reads it once: on a 2-core AVX512-BF16 VM the 24 layers of Qwen2-0.5B's shape went from 78
   to 37 ms a token at batch 1. Same kernel, same accumulation: the packed product equals
   ``F.linear`` bit for bit, for one row as for many (a probe at load checks it on this machine).
+  A residual addition after a product (:meth:`Projection.add_to`) runs inside the kernel, on its
+  float32 sums, rounded to bfloat16 once where eager rounds twice: one operator fewer per product
+  (a 230- or 512-token prefill of Qwen2-0.5B's shape 3-5% faster on a 2-core AMX Xeon, decode
+  unchanged), results within that one rounding of eager's, alike for any number of rows.
 - **FBGEMM, float16 weights with float32 arithmetic** (float32 compute on a CPU, where the weight's
   values fit float16 exactly: a bfloat16 checkpoint served in float32 on a CPU without bfloat16
   kernels). A batch-1 decode step reads every weight once, so its time is the weight bytes over
@@ -48,6 +52,9 @@ def _overload(namespace: str, name: str) -> tuple[Callable[..., torch.Tensor], b
 
 
 _ONEDNN_PRODUCT, _HAS_ONEDNN = _overload("mkldnn", "_linear_pointwise")
+# The same product with a tensor combined into its float32 sums before they are rounded once
+# ("add": a residual; "mul": another product's output).
+_ONEDNN_BINARY = torch.ops.mkldnn._linear_pointwise.binary if _HAS_ONEDNN else F.linear
 _HALF_PRODUCT, _HAS_HALF = _overload("quantized", "linear_dynamic_fp16")
 
 
@@ -132,18 +139,33 @@ class Projection:
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)``, the output's scale folded into the addition (exact as above)."""
+        """``residual + self(x)``, the output's scale folded into the addition (exact as above).
+
+        NOTE: on oneDNN the residual joins the float32 sums inside the kernel, rounded to
+        bfloat16 once (eager rounds the product, then the sum): one operator fewer, and a result
+        that differs from eager's only by that one rounding, the same for any number of rows.
+        """
+        if self.kind == "onednn" and residual.is_contiguous():
+            return _ONEDNN_BINARY(x, residual, self.weight, self.bias, "add")
         if self.kind != "fp16" or self.bias is not None:
             return residual + self(x)
         return torch.add(residual, _HALF_PRODUCT(x, self.weight), alpha=self.input_scale)
 
 
-def _same_as_dense(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
+def _probe(cols: int, dtype: torch.dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
+    return torch.randn(_PROBE_ROWS, cols, generator=gen).to(dtype)
+
+
+def _same_as_dense(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
+    """The packed product equals ``F.linear`` bit for bit, for one row as for many; a residual
+    of zeros joined in the kernel (:meth:`Projection.add_to`) leaves it unchanged."""
+    x = _probe(weight.shape[1], weight.dtype)
     batch = _ONEDNN_PRODUCT(x, packed, bias, "none", [], "")
     alone = _ONEDNN_PRODUCT(x[:1], packed, bias, "none", [], "")
-    return torch.equal(batch, F.linear(x, weight, bias)) and torch.equal(alone, F.linear(x[:1], weight, bias))
+    joined = _ONEDNN_BINARY(x, torch.zeros_like(batch), packed, bias, "add")
+    dense = F.linear(x, weight, bias)
+    return torch.equal(batch, dense) and torch.equal(alone, dense[:1]) and torch.equal(joined, dense)
 
 
 class PackedLinear(nn.Module):

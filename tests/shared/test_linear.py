@@ -120,3 +120,30 @@ def test_a_scale_folded_into_the_norm_before_or_the_sum_after_changes_no_bit():
     residual = torch.randn(9, 200, generator=gen)
     assert torch.equal(proj.add_to(residual, x), residual + proj(x))
     assert torch.equal(biased.add_to(residual, x), residual + biased(x))
+
+
+@pytest.mark.skipif(not CPU_BF16, reason="this CPU has no bfloat16 kernels")
+@pytest.mark.parametrize("bias", [False, True])
+def test_on_onednn_the_residual_joins_the_sums_rounded_once_and_alike_for_any_row_count(bias):
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(200, 96, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(200, generator=gen).to(torch.bfloat16) if bias else None
+    proj = Projection(weight, b)
+    assert proj.kind == "onednn"
+    x = torch.randn(33, 96, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(33, 200, generator=gen).to(torch.bfloat16)
+    joined = proj.add_to(residual, x)
+    assert torch.equal(proj.add_to(torch.zeros_like(residual), x), proj(x))  # nothing added: the product
+    for rows in (1, 2, 17):
+        assert torch.equal(proj.add_to(residual[:rows], x[:rows]), joined[:rows])
+    # Against the float32 sum of the same bfloat16 values, one rounding: within half a unit of
+    # bfloat16's last place (2**-8 relative), plus float32's differences in summation order.
+    exact = residual.float() + F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert ((joined.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-4).all()
+    # and from eager (the product rounded, then the sum) by eager's extra rounding: half a unit of
+    # the product's last place, carried into the sum's own rounding (one unit of the sum's at most)
+    product = proj(x).float()
+    eager = (residual + proj(x)).float()
+    bound = product.abs() * 2**-8 + eager.abs() * 2**-7 + 1e-4
+    assert ((joined.float() - eager).abs() <= bound).all()
+    assert not torch.equal(joined.float(), eager)  # one rounding fewer shows somewhere
