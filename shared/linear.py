@@ -53,8 +53,10 @@ def _overload(namespace: str, name: str) -> tuple[Callable[..., torch.Tensor], b
 
 _ONEDNN_PRODUCT, _HAS_ONEDNN = _overload("mkldnn", "_linear_pointwise")
 # The same product with a tensor combined into its float32 sums before they are rounded once
-# ("add": a residual; "mul": another product's output).
-_ONEDNN_BINARY = torch.ops.mkldnn._linear_pointwise.binary if _HAS_ONEDNN else F.linear
+# ("add": a residual, see Projection.add_to).
+_ONEDNN_BINARY: Callable[..., torch.Tensor] = (
+    torch.ops.mkldnn._linear_pointwise.binary if _HAS_ONEDNN else F.linear
+)
 _HALF_PRODUCT, _HAS_HALF = _overload("quantized", "linear_dynamic_fp16")
 
 
