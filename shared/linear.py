@@ -43,20 +43,21 @@ _HALF_TOP = 14  # a half weight's largest magnitude is scaled into (2**13, 2**14
 # (~30 us a call on a 2-core VM: 3 ms of a 97-product decode step).
 
 
-def _overload(namespace: str, name: str) -> tuple[Callable[..., torch.Tensor], bool]:
-    """The operator's default overload, and whether this build of torch has it."""
+def _overload(
+    namespace: str, name: str, overload: str = "default"
+) -> tuple[Callable[..., torch.Tensor], bool]:
+    """The operator's overload (``default`` unless named), and whether this build of torch has it."""
     try:
-        return getattr(getattr(torch.ops, namespace), name).default, True
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload), True
     except (AttributeError, RuntimeError):
         return F.linear, False  # never called: the layout that needs it is never chosen
 
 
-_ONEDNN_PRODUCT, _HAS_ONEDNN = _overload("mkldnn", "_linear_pointwise")
+_ONEDNN_PRODUCT, _HAS_PRODUCT = _overload("mkldnn", "_linear_pointwise")
 # The same product with a tensor combined into its float32 sums before they are rounded once
 # ("add": a residual, see Projection.add_to).
-_ONEDNN_BINARY: Callable[..., torch.Tensor] = (
-    torch.ops.mkldnn._linear_pointwise.binary if _HAS_ONEDNN else F.linear
-)
+_ONEDNN_BINARY, _HAS_BINARY = _overload("mkldnn", "_linear_pointwise", "binary")
+_HAS_ONEDNN = _HAS_PRODUCT and _HAS_BINARY
 _HALF_PRODUCT, _HAS_HALF = _overload("quantized", "linear_dynamic_fp16")
 
 
@@ -154,15 +155,11 @@ class Projection:
         return torch.add(residual, _HALF_PRODUCT(x, self.weight), alpha=self.input_scale)
 
 
-def _probe(cols: int, dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(_PROBE_ROWS, cols, generator=gen).to(dtype)
-
-
 def _same_as_dense(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
     """The packed product equals ``F.linear`` bit for bit, for one row as for many; a residual
     of zeros joined in the kernel (:meth:`Projection.add_to`) leaves it unchanged."""
-    x = _probe(weight.shape[1], weight.dtype)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
     batch = _ONEDNN_PRODUCT(x, packed, bias, "none", [], "")
     alone = _ONEDNN_PRODUCT(x[:1], packed, bias, "none", [], "")
     joined = _ONEDNN_BINARY(x, torch.zeros_like(batch), packed, bias, "add")
