@@ -10,9 +10,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 MMCACH
 
 WORKDIR /app
 # The shared KV tier's store (compose's kvstore service, deploy/kubernetes/kvstore.yaml) runs this
-# image with Debian's redis-server (redis-cli for its health check).
+# image with Debian's redis-server (redis-cli for its health check). gcc: the LLM stage compiles its
+# CPU kernels for the CPU it runs on, at first use (shared/cpu_kernels.py).
 RUN apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        redis-server redis-tools && rm -rf /var/lib/apt/lists/*
+        redis-server redis-tools gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # triton (0.9 GB) is torch's kernel compiler, which mmcache never calls: every copy of the image
 # (each Swarm node holds one) is smaller without it. Removed in the layer that installs it.
 # shellcheck disable=SC2086

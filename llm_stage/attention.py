@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from mmcache.llm_stage.kv_cache import KVCache
 from mmcache.llm_stage.scheduler import StepItem
+from mmcache.shared import cpu_kernels
 
 
 class AttentionBackend(Protocol):
@@ -62,6 +63,7 @@ class SdpaPlan:
     decode_rows: torch.Tensor | None = None  # (B,) rows of the decodes, when prefills share the step
     decode_blocks: torch.Tensor | None = None  # (B * widest,) block ids, padded with block 0
     decode_length: int = 0  # the longest decode context: columns read of each padded row
+    decode_ends: torch.Tensor | None = None  # (B,) each decode's context length (the C kernel's)
     decode_blocked: torch.Tensor | None = None  # (B, 1, 1, decode_length): True past a row's end
 
 
@@ -95,6 +97,7 @@ class SdpaBackend:
         self.scaling = scaling
         self.device = kv.kv.device
         self.dtype = kv.kv.dtype
+        self.kernels = cpu_kernels.usable(kv.kv)  # decode attention in one C call (bfloat16, CPU)
 
     def plan(self, items: list[StepItem]) -> SdpaPlan:
         size = self.kv.block_size
@@ -129,7 +132,9 @@ class SdpaBackend:
                 [b for t in tables for b in t + [0] * (widest - len(t))], device=self.device
             )
             plan.decode_length = length
-            if len(decodes) > 1:
+            if self.kernels is not None:
+                plan.decode_ends = torch.tensor([it.end for it in decodes], device=self.device)
+            elif len(decodes) > 1:
                 ends = torch.tensor([it.end for it in decodes], device=self.device)
                 cols = torch.arange(length, device=self.device)
                 plan.decode_blocked = (cols[None, :] >= ends[:, None])[:, None, None]
@@ -181,9 +186,38 @@ class SdpaBackend:
         reads kv head ``h // (heads // kv_heads)``, as ``enable_gqa`` maps them.
         """
         batch, kv_heads, dim = q.shape[0], self.kv.num_kv_heads, q.shape[-1]
+        if self.kernels is not None:
+            return self._decode_kernel(self.kernels, layer, q, plan)
         small = batch * plan.decode_length * kv_heads * dim <= SERIAL_DECODE_VALUES
         with _one_thread() if small and self.device.type == "cpu" else nullcontext():
             return self._decode_attention(layer, q, plan)
+
+    def _decode_kernel(
+        self, lib: cpu_kernels.Kernels, layer: int, q: torch.Tensor, plan: SdpaPlan
+    ) -> torch.Tensor:
+        """:meth:`_decode` as one C call reading the blocks in place (no gather, no float32 copy)."""
+        batch, heads, dim = q.shape
+        assert q.stride(2) == 1 and q.stride(1) == dim and plan.decode_blocks is not None
+        assert plan.decode_ends is not None
+        cache = self.kv.blocks(layer)
+        assert cache.is_contiguous()
+        out = torch.empty((batch, heads, dim), dtype=q.dtype)
+        lib.decode_attention(
+            q.data_ptr(),
+            q.stride(0),
+            cache.data_ptr(),
+            self.kv.block_size,
+            plan.decode_blocks.data_ptr(),
+            plan.decode_blocks.shape[0] // batch,
+            plan.decode_ends.data_ptr(),
+            out.data_ptr(),
+            batch,
+            heads,
+            self.kv.num_kv_heads,
+            dim,
+            self.scaling,
+        )
+        return out
 
     def _decode_attention(self, layer: int, q: torch.Tensor, plan: SdpaPlan) -> torch.Tensor:
         batch, kv_heads, dim = q.shape[0], self.kv.num_kv_heads, q.shape[-1]

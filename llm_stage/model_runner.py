@@ -25,6 +25,7 @@ from mmcache.llm_stage.prompt_logprobs import Scored, score
 from mmcache.llm_stage.scheduler import StepItem
 from mmcache.llm_stage.text_model import LayerWeights, TextLM, qk_norm_
 from mmcache.llm_stage.visual_rows import VisualRows
+from mmcache.shared import cpu_kernels
 
 _Rope = tuple[torch.Tensor, torch.Tensor]  # cos and folded sin of every row, (rows, 1, head_dim)
 
@@ -48,6 +49,10 @@ class ModelRunner:
         self.kv = kv
         self.attention: AttentionBackend = attention or SdpaBackend(kv, lm.num_heads, lm.scaling)
         self.device = kv.kv.device
+        # The layer's small operators as one C function each, where the model computes in bfloat16
+        # on a CPU and the kernels built (:mod:`mmcache.shared.cpu_kernels`); else eager PyTorch.
+        self.kernels = cpu_kernels.usable(kv.kv, lm.head_norm)
+        self.fused_silu = self.kernels is not None and lm.config.hidden_act == "silu"
 
     def copy_block_start(self, copy: BlockCopy) -> None:
         """Copy the K/V of a shared block start into the sequence's own block."""
@@ -125,22 +130,32 @@ class ModelRunner:
         return cos[0, :, None], fold_sin(sin)[0, :, None]
 
     def _layer(self, idx: int, w: LayerWeights, hidden: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
-        lm = self.lm
+        lm, lib = self.lm, self.kernels
         n, heads, kv_heads = hidden.shape[0], lm.num_heads, lm.num_kv_heads
-        x = F.rms_norm(hidden, w.norm_shape, w.input_norm, w.eps)  # times qkv's input scale
+        x = self._norm(hidden, w.input_norm, w)  # times qkv's input scale
         qkv = w.qkv.prescaled(x).view(n, heads + 2 * kv_heads, lm.head_dim)
         if w.qk_norm is not None:
             qk_norm_(qkv[:, : heads + kv_heads], w.qk_norm, w.qk_eps)
-        rotate_(qkv[:, : heads + kv_heads], *rope)
+        if lib is not None:
+            cpu_kernels.rotate_(lib, qkv[:, : heads + kv_heads], rope[0].view(n, -1), rope[1].view(n, -1))
+        else:
+            rotate_(qkv[:, : heads + kv_heads], *rope)
         self.attention.write(idx, qkv[:, heads:], plan)
         out = self.attention.attend(idx, qkv, plan)
         hidden = w.o.add_to(hidden, out)
-        x = F.rms_norm(hidden, w.norm_shape, w.post_norm, w.eps)  # times gate_up's input scale
+        x = self._norm(hidden, w.post_norm, w)  # times gate_up's input scale
         if w.moe is not None:
             return hidden + w.moe(x[None])[0]
         assert w.gate_up is not None and w.act is not None and w.down is not None  # a dense MLP
+        if self.fused_silu and lib is not None:
+            return w.down.add_to(hidden, cpu_kernels.silu_mul(lib, w.gate_up.prescaled(x)))
         gate, up = w.gate_up.prescaled(x).chunk(2, dim=-1)
         return w.down.add_to(hidden, w.act(gate) * up)
+
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        if self.kernels is not None:
+            return cpu_kernels.rms_norm(self.kernels, hidden, weight, w.eps)
+        return F.rms_norm(hidden, w.norm_shape, weight, w.eps)
 
     def decode_logits(self, ids: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
         """Logits (float32) of rows that each compute one generated token (no media rows, no prompt

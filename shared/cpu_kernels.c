@@ -1,0 +1,226 @@
+/* The decoder layer's small operators on bfloat16 rows, one pass each (shared/cpu_kernels.py).
+ *
+ * Compiled on the machine that runs it (-march=native), loaded with ctypes. Every row is computed
+ * the same way whatever the number of rows: a row alone equals that row among many (what a cache
+ * hit relies on). Rounding follows eager PyTorch's: operands widened to float32, each operator's
+ * result rounded to bfloat16 to nearest even, so the rotary embedding equals eager's bit for bit;
+ * the RMSNorm's sum of squares and the attention's sums run in another order than torch's, and the
+ * SiLU's exp is a polynomial of ~1 float32 ulp (results within a bfloat16 rounding of eager's).
+ *
+ * OpenMP: the process's own libgomp (torch's, already loaded) runs the parallel loops, over rows
+ * or attention heads, only where the work is large enough to be worth waking the other threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+#define LANES 16
+#define PARALLEL_VALUES (1 << 16) /* below this many values a loop stays on the calling thread */
+
+static inline float widen(bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, NaN to the quiet NaN (c10::BFloat16's rounding). */
+static inline bf16 narrow(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? (bf16)0x7fc0 : (bf16)rounded;
+}
+
+/* exp on float32 (Cephes' expf polynomial after reduction by ln 2), branch free so loops vectorize. */
+static inline float exp_approx(float x) {
+    x = x > 88.3762626647949f ? 88.3762626647949f : x;
+    x = x < -87.3365447504019f ? -87.3365447504019f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t bits; float value; } scale = {.bits = (uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.value;
+}
+
+/* LANES floats as one value (GCC/Clang vector extensions): lowered to whatever registers the CPU
+ * has, so the sums below run in the same order on every machine. */
+typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
+typedef float half_t __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float quarter_t __attribute__((vector_size(LANES / 4 * sizeof(float))));
+
+static inline lanes_t load_lanes(const float *p) {
+    lanes_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The LANES running sums added pairwise: lane l + lane l+8, then + l+4, then + l+2, then + l+1. */
+static inline float fold(lanes_t acc) {
+    half_t lo, hi;
+    memcpy(&lo, &acc, sizeof lo);
+    memcpy(&hi, (const char *)&acc + sizeof lo, sizeof hi);
+    half_t h = lo + hi;
+    quarter_t a, b;
+    memcpy(&a, &h, sizeof a);
+    memcpy(&b, (const char *)&h + sizeof a, sizeof b);
+    quarter_t q = a + b;
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+/* Sum of a[i] * b[i] in LANES running sums, then folded. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    lanes_t acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) acc += load_lanes(a + i) * load_lanes(b + i);
+    for (; i < n; i++) acc[i % LANES] += a[i] * b[i];
+    return fold(acc);
+}
+
+/* out = x / rms(x) * weight per row of dim values; float32 inside, rounded once (torch's order). */
+void mm_rms_norm(const bf16 *x, int64_t x_stride, const bf16 *weight, bf16 *out, int64_t rows,
+                 int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * x_stride;
+        bf16 *o = out + r * dim;
+        lanes_t acc = {0};
+        int64_t i = 0;
+        for (; i + LANES <= dim; i += LANES) {
+            float v[LANES];
+            for (int l = 0; l < LANES; l++) v[l] = widen(xr[i + l]);
+            acc += load_lanes(v) * load_lanes(v);
+        }
+        for (; i < dim; i++) acc[i % LANES] += widen(xr[i]) * widen(xr[i]);
+        float scale = 1.0f / sqrtf(fold(acc) / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) o[d] = narrow(widen(xr[d]) * scale * widen(weight[d]));
+    }
+}
+
+/* Rotary embedding in place on heads of head_dim values (rows, heads, head_dim), rows row_stride
+ * apart: x * cos + rotate_half(x) * sin, each product and the sum rounded as eager rounds them.
+ * folded_sin is sin with its first half negated (rotate_half's sign); cos and folded_sin are
+ * (rows, head_dim). */
+void mm_rotate(bf16 *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+               const bf16 *cos, const bf16 *folded_sin) {
+    int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *c = cos + r * head_dim, *s = folded_sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            bf16 *v = x + r * row_stride + h * head_dim;
+            float orig[head_dim];
+            for (int64_t d = 0; d < head_dim; d++) orig[d] = widen(v[d]);
+            for (int64_t d = 0; d < head_dim; d++) {
+                float partner = orig[d < half ? d + half : d - half];
+                float rotated = widen(narrow(partner * widen(s[d])));
+                float scaled = widen(narrow(orig[d] * widen(c[d])));
+                v[d] = narrow(scaled + rotated);
+            }
+        }
+    }
+}
+
+/* out = silu(gate) * up per row of gate_up = [gate | up] (rows, 2 * width): SiLU rounded, then
+ * the product rounded, as eager's two operators. Two passes over a stack buffer of a few hundred
+ * values: gcc vectorizes each well, the fused loop badly (~8x slower on AVX-512). */
+void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows, int64_t width) {
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *restrict g = gate_up + r * 2 * width, *restrict u = g + width;
+        bf16 *restrict o = out + r * width;
+        float act[256];
+        for (int64_t start = 0; start < width; start += 256) {
+            int64_t n = width - start < 256 ? width - start : 256;
+            for (int64_t d = 0; d < n; d++) {
+                float x = widen(g[start + d]);
+                act[d] = x / (1.0f + exp_approx(-x));
+            }
+            for (int64_t d = 0; d < n; d++)
+                o[start + d] = narrow(widen(narrow(act[d])) * widen(u[start + d]));
+        }
+    }
+}
+
+/* One query token of each of `batch` sequences attending over its cached keys and values.
+ *
+ * q: (batch, heads, head_dim), rows q_stride apart. cache: blocks of block_size slots, a slot
+ * holding kv_heads keys then kv_heads values of head_dim each. tables: (batch, width) block ids;
+ * lengths: (batch,) tokens each sequence attends over. out: (batch, heads, head_dim). Query head h
+ * reads kv head h / (heads / kv_heads). Scores, softmax and the weighted sum in float32. */
+/* One kv head g of sequence b: the group of query heads reading it. head_dim is a constant where
+ * the caller passes one (64, 128), so the loops over it unroll and stay in registers. */
+static inline void attend_head(const bf16 *restrict q, const bf16 *restrict cache, int64_t block_size,
+                               const int64_t *restrict table, int64_t length, bf16 *restrict out,
+                               int64_t group, int64_t kv_heads, int64_t g, const int64_t head_dim, float scale) {
+    int64_t slot = 2 * kv_heads * head_dim;
+    float *restrict scores = malloc(sizeof(float) * (size_t)(group * length + 2 * group * head_dim));
+    float *restrict query = scores + group * length, *restrict acc = query + group * head_dim;
+    for (int64_t j = 0; j < group * head_dim; j++) {
+        query[j] = widen(q[j]);
+        acc[j] = 0.0f;
+    }
+    float row[head_dim];
+    for (int64_t t = 0; t < length; t++) { /* scores: one key against the group's queries */
+        const bf16 *k = cache + (table[t / block_size] * block_size + t % block_size) * slot + g * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) row[d] = widen(k[d]);
+        for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(query + j * head_dim, row, head_dim) * scale;
+    }
+    for (int64_t j = 0; j < group; j++) { /* softmax of each query's scores */
+        float *s = scores + j * length, top[LANES];
+        for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+        int64_t t = 0;
+        for (; t + LANES <= length; t += LANES)
+            for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];
+        for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];
+        float most = top[0];
+        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+        for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);
+        lanes_t sums = {0};
+        for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);
+        for (; t < length; t++) sums[t % LANES] += s[t];
+        float total = fold(sums);
+        for (t = 0; t < length; t++) s[t] /= total;
+    }
+    for (int64_t t = 0; t < length; t++) { /* one value into every query's sum */
+        const bf16 *v = cache + (table[t / block_size] * block_size + t % block_size) * slot + (kv_heads + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) row[d] = widen(v[d]);
+        for (int64_t j = 0; j < group; j++) {
+            float p = scores[j * length + t];
+            float *restrict a = acc + j * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];
+        }
+    }
+    for (int64_t j = 0; j < group * head_dim; j++) out[j] = narrow(acc[j]);
+    free(scores);
+}
+
+void mm_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *cache, int64_t block_size,
+                         const int64_t *tables, int64_t width, const int64_t *lengths, bf16 *out,
+                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    int64_t group = heads / kv_heads, longest = 0;
+    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+#pragma omp parallel for schedule(static) if (batch * kv_heads * longest * head_dim >= PARALLEL_VALUES * 16)
+    for (int64_t task = 0; task < batch * kv_heads; task++) {
+        int64_t b = task / kv_heads, g = task % kv_heads;
+        const bf16 *qg = q + b * q_stride + g * group * head_dim;
+        bf16 *o = out + (b * heads + g * group) * head_dim;
+        const int64_t *table = tables + b * width;
+        if (head_dim == 64)
+            attend_head(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 64, scale);
+        else if (head_dim == 128)
+            attend_head(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 128, scale);
+        else
+            attend_head(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, head_dim, scale);
+    }
+}
