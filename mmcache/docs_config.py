@@ -53,7 +53,18 @@ OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
         "host name and bound address",
         "the id a replica reports; routing weighs ids, so every client computes the same owner",
     ),
-    ("MMCACHE_HOME", "`~/.cache/mmcache`", "where `mmcache serve` generates the default tiny checkpoint"),
+    (
+        "MMCACHE_HOME",
+        "`~/.cache/mmcache`",
+        "where `mmcache serve` generates the default tiny checkpoint, and the LLM stage keeps its compiled "
+        "CPU kernels (`kernels/`)",
+    ),
+    (
+        "MMCACHE_CPU_KERNELS",
+        "`1`",
+        "`0`: the LLM stage runs its layers' small operators as eager PyTorch instead of the C kernels it "
+        "compiles at first use for bfloat16 on a CPU ([performance](performance.md))",
+    ),
     ("MMCACHE_BENCH_QUICK", "off", "`mmcache bench` runs the short versions"),
     (
         "PROMETHEUS_MULTIPROC_DIR",
@@ -63,8 +74,8 @@ OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
 )
 
 SERVE_NOTE = """\
-On one machine, `mmcache serve` shares the cores between the stages (LLM ½, encoder ¼,
-processor ¼, at least one each) unless `--torch-threads` is given.
+On one machine, `mmcache serve` gives the LLM stage and the encoder every core and the processor
+half of them (at least one) unless `--torch-threads` is given ([performance](performance.md)).
 """
 
 
