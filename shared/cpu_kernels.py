@@ -52,6 +52,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "mm_rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "mm_rotate": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
+    "mm_rotate_vision": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "mm_silu_mul": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
 }
@@ -102,6 +103,7 @@ class Kernels:
             getattr(lib, name).restype = None
         self.rms_norm = lib.mm_rms_norm
         self.rotate = lib.mm_rotate
+        self.rotate_vision = lib.mm_rotate_vision
         self.silu_mul = lib.mm_silu_mul
         self.decode_attention = lib.mm_decode_attention
         self.path = path
@@ -155,4 +157,25 @@ def silu_mul(lib: Kernels, gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.is_contiguous()
     out = torch.empty((rows, width), dtype=gate_up.dtype)
     lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+    return out
+
+
+def rotate_vision(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb_vision`` for one of q, k: ``x`` (rows, heads, head_dim)
+    bfloat16 with its last dimension contiguous, ``cos``/``sin`` (rows, head_dim) float32
+    contiguous; a new contiguous bfloat16 tensor, bit for bit the reference's."""
+    rows, heads, dim = x.shape
+    assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    out = torch.empty((rows, heads, dim), dtype=x.dtype)
+    lib.rotate_vision(
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        rows,
+        heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+    )
     return out
