@@ -370,3 +370,33 @@ def test_new_question_about_a_cached_image_copies_the_image_tail_and_agrees(env:
             out += [o.token_id for o in e.step().outputs if o.token_id is not None]
         tokens[e] = out
     assert tokens[engine] == tokens[fresh]
+
+
+def test_bfloat16_cpu_kernels_batch_rows_as_they_compute_alone(env: Env):
+    """In bfloat16 on a CPU a layer's norms, rotary, SiLU and decode attention run as compiled
+    kernels (``shared/cpu_kernels.c``) that compute a row the same way whatever its neighbours:
+    six sequences admitted one step apart (each prefill sharing its step with the others' decodes)
+    generate what each generates alone in a fresh engine.
+
+    NOTE: no preemption and no prefix hit here. In bfloat16 a recomputed or cache-hit prompt row
+    goes through another attention path than a miss (decode attention, SDPA with a mask, SDPA
+    causal), each rounding differently, so those are not bit-equal (docs/performance.md)."""
+    engine = make_engine(env, dtype="bfloat16", max_num_batched_tokens=2048)
+    if engine.runner.device.type == "cpu":
+        assert engine.runner.kernels is not None and engine.runner.attention.kernels is not None
+    prompts = [make_prompt(env, text, images) for text, images, _ in CONCURRENT]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for *_, n in CONCURRENT]
+    single = []
+    for prompt, sp in zip(prompts, params, strict=True):
+        fresh = make_engine(env, dtype="bfloat16")
+        single.append(run(fresh, [make_seq(env, fresh, 0, prompt, sp)])[0][0])
+    seqs = [make_seq(env, engine, i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    waiting, mixed = list(seqs), 0
+    while waiting or engine.has_work():
+        decoding = sum(s.num_output_tokens > 0 and s.finish_reason is None for s in seqs)
+        if waiting:
+            engine.submit(waiting.pop(0))
+            mixed += decoding > 0  # this step prefills a newcomer next to others' decodes
+        engine.step()
+    assert mixed >= 3 and engine.scheduler.num_preemptions == 0
+    assert [s.token_ids[s.num_prompt_tokens :] for s in seqs] == single
