@@ -12,7 +12,10 @@ the compiler and the CPU's flags, so a cached library never runs on a CPU it was
 Without a C compiler, or with ``MMCACHE_CPU_KERNELS=0``, :func:`kernels` returns None and the model
 runs eager PyTorch. Results: the rotary embedding equals eager's bit for bit; the RMSNorm, SiLU and
 attention sum in another order (within a bfloat16 rounding of eager's); and every row is computed
-alike whatever the number of rows, so a cache hit computes what a miss computes.
+alike whatever the number of rows, so batching never changes a row. (What a row computes still
+depends on its path: a prompt row after a prefix hit takes decode attention or SDPA with a mask
+where a miss takes SDPA's causal kernel, which round differently in bfloat16.) The vision towers'
+rotary embedding (``mm_rotate_vision``, :mod:`mmcache.encoder_stage.vision_rotary`) is here too.
 """
 
 from __future__ import annotations
