@@ -13,7 +13,7 @@ Rows (6 samples each by default):
                 content to the usage chunk, over the 63 tokens after the first
   concurrent    output tokens/s of 16 concurrent requests, each a new image and question
 and the greedy texts of both servers on the text prompts (equal count; compare with --dtype float32
-on both sides: bf16 kernels differ).
+on both sides: bf16 kernels differ), with ``--hf DIR`` transformers' texts on the checkpoint too.
 
     python -m mmcache.benchmarks.vllm_compare --mmcache http://127.0.0.1:8000 --peer http://127.0.0.1:8001
 """
@@ -171,7 +171,7 @@ ROWS = ("text_ttft", "image_ttft", "same_image", "decode_ms", "concurrent", "gre
 
 
 async def compare(
-    peers: list[Peer], rounds: int, texts_only: bool = False, rows: set[str] | None = None
+    peers: list[Peer], rounds: int, texts_only: bool = False, rows: set[str] | None = None, hf: str = ""
 ) -> dict:
     """Every row (or those in ``rows``), in the order of :data:`ROWS`."""
     out: dict = {}
@@ -182,7 +182,7 @@ async def compare(
         for peer in peers:
             await peer.connect(session)
         if texts_only:
-            out["greedy_texts"] = await greedy_texts(peers, session)
+            out["greedy_texts"] = await greedy_texts(peers, session, hf)
             return out
         # NOTE: seeds new to each run, so a second run against the same servers is not served from
         # the prefix caches the first one filled.
@@ -230,18 +230,29 @@ async def compare(
             if rows is None or name in rows:
                 out[key] = await row(name, peers, n, sample, higher=higher)
         if rows is None or "greedy_texts" in rows:
-            out["greedy_texts"] = await greedy_texts(peers, session)
+            out["greedy_texts"] = await greedy_texts(peers, session, hf)
     return out
 
 
-async def greedy_texts(peers: list[Peer], session: aiohttp.ClientSession) -> dict:
-    """Both servers' greedy answers to the same 6 prompts (text only): how many are equal."""
+async def greedy_texts(peers: list[Peer], session: aiohttp.ClientSession, hf: str = "") -> dict:
+    """Both servers' greedy answers to the same 6 prompts (text only): how many are equal; with
+    ``hf`` (a checkpoint directory), transformers' answers too (:mod:`.hf_texts`), and how many of
+    each server's equal them."""
     same = Workload(999)
     prompts = [same.text(max_tokens=24) for _ in range(6)]
     texts = {p.name: [(await p.stream(session, q, need_content=False)).text for q in prompts] for p in peers}
     equal = sum(x == y for x, y in zip(*texts.values(), strict=True))
-    print(f"ROW greedy_texts: {equal}/{len(prompts)} equal", flush=True)
-    return {"equal": equal, "prompts": len(prompts), "texts": texts}
+    out = {"equal": equal, "prompts": len(prompts), "texts": texts}
+    line = f"ROW greedy_texts: {equal}/{len(prompts)} equal"
+    if hf:
+        from mmcache.benchmarks.hf_texts import greedy_texts as hf_texts
+
+        texts["hf"] = await asyncio.to_thread(hf_texts, hf, prompts)
+        for p in peers:
+            out[f"equal_hf_{p.name}"] = same_hf = sum(x == y for x, y in zip(texts[p.name], texts["hf"]))
+            line += f", {p.name} = HF {same_hf}/{len(prompts)}"
+    print(line, flush=True)
+    return out
 
 
 def main() -> None:
@@ -253,6 +264,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="samples per row and server")
     parser.add_argument(
         "--texts-only", action="store_true", help="only compare greedy texts (serve both in float32 for this)"
+    )
+    parser.add_argument(
+        "--hf", default="", metavar="DIR", help="also compare both servers' greedy texts with transformers' on DIR"
     )
     parser.add_argument(
         "--results-dir", default="", help="write the figures there as <date>-vllm-compare-<commit>.json"
@@ -267,7 +281,7 @@ def main() -> None:
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (A B B A order)")
     peers = [Peer("mmcache", args.mmcache), Peer("peer", args.peer)]
-    result = asyncio.run(compare(peers, args.rounds, args.texts_only, rows))
+    result = asyncio.run(compare(peers, args.rounds, args.texts_only, rows, args.hf))
     if args.results_dir:
         path = results_file.write(Path(args.results_dir), results_file.record("vllm-compare", result))
         print(f"# wrote {path}", flush=True)

@@ -19,6 +19,7 @@ typedef uint16_t bf16;
 
 #define LANES 16
 #define PARALLEL_VALUES (1 << 16) /* below this many values a loop stays on the calling thread */
+#define AHEAD 16 /* decode attention prefetches the cache slot this many tokens ahead (the cache is cold in a step) */
 
 static inline float widen(bf16 v) {
     uint32_t u = (uint32_t)v << 16;
@@ -193,6 +194,14 @@ static inline void attend_head(const bf16 *restrict q, const bf16 *restrict cach
     float row[head_dim];
     for (int64_t t = 0; t < length; t++) { /* scores: one key against the group's queries */
         const bf16 *k = cache + (table[t / block_size] * block_size + t % block_size) * slot + g * head_dim;
+        if (t + AHEAD < length) { /* the slot AHEAD tokens on: its key now, its value for the second pass */
+            int64_t next = t + AHEAD;
+            const bf16 *ahead = cache + (table[next / block_size] * block_size + next % block_size) * slot;
+            for (int64_t line = 0; line < head_dim * (int64_t)sizeof(bf16); line += 64) {
+                __builtin_prefetch((const char *)(ahead + g * head_dim) + line);
+                __builtin_prefetch((const char *)(ahead + (kv_heads + g) * head_dim) + line);
+            }
+        }
         for (int64_t d = 0; d < head_dim; d++) row[d] = widen(k[d]);
         for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(query + j * head_dim, row, head_dim) * scale;
     }
