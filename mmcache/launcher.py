@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from mmcache import kv_store_server
-from mmcache.placement import STAGES, Placement, place
+from mmcache.placement import STAGES, Placement, place, weight_bytes
 from mmcache.shared.config import (
     EncoderConfig,
     LLMConfig,
@@ -82,8 +82,9 @@ def ensure_default_model() -> Path:
     return path
 
 
-def _placement(args: argparse.Namespace) -> Placement:
-    """Threads per stage (:mod:`mmcache.placement`): the busy stages get the cores, unless
+def _placement(args: argparse.Namespace, model: str | None = None) -> Placement:
+    """Threads per stage (:mod:`mmcache.placement`) for the checkpoint in ``model``: the busy
+    stages get the cores (one each for a model too small to split), unless
     ``--torch-threads`` (or MMCACHE_TORCH_THREADS, or OMP_NUM_THREADS) or a stage's own
     ``--<stage>-threads`` says otherwise."""
     every = args.torch_threads
@@ -96,7 +97,8 @@ def _placement(args: argparse.Namespace) -> Placement:
     for stage, n in per_stage.items():
         if n is not None and n < 1:
             raise ValueError(f"--{stage}-threads must be >= 1, got {n}")
-    return place(len(os.sched_getaffinity(0)), dict(os.environ), every, per_stage)
+    size = weight_bytes(model) if model else None
+    return place(len(os.sched_getaffinity(0)), dict(os.environ), every, per_stage, size)
 
 
 def die_with_parent() -> None:
@@ -112,7 +114,7 @@ def serve(args: argparse.Namespace) -> int:
     model = args.model or os.environ.get("MMCACHE_MODEL") or str(ensure_default_model())
     rundir = Path(tempfile.mkdtemp(prefix="mmcache-"))
     enc_addr, llm_addr = f"ipc://{rundir}/encoder.sock", f"ipc://{rundir}/llm.sock"
-    placement = _placement(args)
+    placement = _placement(args, model)
     threads = placement.threads
     children: dict[str, subprocess.Popen] = {}
     store_url: dict[str, str] = {}

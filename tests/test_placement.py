@@ -8,13 +8,35 @@ import os
 import pytest
 
 from mmcache.launcher import _placement, add_serve_arguments
-from mmcache.placement import default_threads, place
+from mmcache.placement import SMALL_MODEL_BYTES, default_threads, place, weight_bytes
 
 
 def test_on_two_cores_the_llm_stage_gets_both():
     assert default_threads(2) == {"processor": 1, "encoder": 2, "llm": 2}
     assert default_threads(1) == {"processor": 1, "encoder": 1, "llm": 1}
     assert default_threads(16) == {"processor": 8, "encoder": 16, "llm": 16}
+
+
+def test_a_model_too_small_to_split_runs_every_stage_on_one_thread():
+    one = {"processor": 1, "encoder": 1, "llm": 1}
+    assert default_threads(16, SMALL_MODEL_BYTES - 1) == one
+    assert (
+        default_threads(2, SMALL_MODEL_BYTES)
+        == default_threads(2)
+        == {"processor": 1, "encoder": 2, "llm": 2}
+    )
+    assert place(8, {}, None, {"llm": 4}, model_bytes=1 << 20).threads == one | {"llm": 4}
+    assert place(8, {}, 3, {}, model_bytes=1 << 20).threads == {"processor": 3, "encoder": 3, "llm": 3}
+
+
+def test_weight_bytes_sums_the_checkpoint_weight_files(tmp_path, tiny_model):
+    assert weight_bytes(tmp_path) is None  # nothing to read: the size is not known
+    assert weight_bytes(tmp_path / "absent") is None
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 200)
+    (tmp_path / "config.json").write_text("{}")
+    assert weight_bytes(tmp_path) == 500
+    assert 0 < weight_bytes(tiny_model) < SMALL_MODEL_BYTES
 
 
 def test_a_short_spin_unless_the_environment_says_how_threads_wait():
@@ -41,10 +63,11 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_serve_flags_reach_the_placement(monkeypatch):
+def test_serve_flags_reach_the_placement(monkeypatch, tiny_model):
     monkeypatch.delenv("MMCACHE_TORCH_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert _placement(_args()).threads == default_threads(len(os.sched_getaffinity(0)))
+    assert _placement(_args(), str(tiny_model)).threads == {"processor": 1, "encoder": 1, "llm": 1}
     assert _placement(_args("--torch-threads", "1", "--llm-threads", "2")).threads == {
         "processor": 1,
         "encoder": 1,
