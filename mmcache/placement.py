@@ -9,9 +9,9 @@ processor's resizing is light: half the cores. On 2 cores: LLM 2, encoder 2, pro
 Except for a model too small to split: below ``SMALL_MODEL_BYTES`` of weights every stage takes one
 thread. Its operators last microseconds, and a parallel one first wakes the other thread (torch's
 fp32 product of one row by a 128x384 weight: 12 us on one thread, 66 us on two, on the 2-core
-Intel Xeon with AMX, 2026-12-06), so the tiny test checkpoint (5 MB) decoded at 4.4-5.4 ms a token
+Intel Xeon with AMX, 2026-12-06), so the tiny test checkpoint (5 MB) decoded at 4.2-5.4 ms a token
 on two threads against 2.3-2.9 ms on one (served, short prompt) and served 16 concurrent text
-requests at 1.9-2.1k against 2.7-2.9k tokens/s. ``mid`` (784 MB) is faster on two; sizes between
+requests at 1.9-2.2k against 2.7-3.0k tokens/s. ``mid`` (784 MB) is faster on two; sizes between
 were not measured.
 
 Stages that overlap (the encoder on one request while the LLM decodes others) then share the cores.
