@@ -97,7 +97,7 @@ class SdpaBackend:
         self.scaling = scaling
         self.device = kv.kv.device
         self.dtype = kv.kv.dtype
-        self.kernels = cpu_kernels.usable(kv.kv)  # decode attention in one C call (bfloat16, CPU)
+        self.kernels = cpu_kernels.usable_for_attention(kv.kv)  # decode attention in one C call (CPU)
 
     def plan(self, items: list[StepItem]) -> SdpaPlan:
         size = self.kv.block_size
@@ -202,7 +202,9 @@ class SdpaBackend:
         cache = self.kv.blocks(layer)
         assert cache.is_contiguous()
         out = torch.empty((batch, heads, dim), dtype=q.dtype)
-        lib.decode_attention(
+        call = lib.decode_attention if cache.dtype == torch.bfloat16 else lib.decode_attention_f32
+        assert q.dtype == cache.dtype
+        call(
             q.data_ptr(),
             q.stride(0),
             cache.data_ptr(),

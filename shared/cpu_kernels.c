@@ -173,7 +173,8 @@ void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows,
     }
 }
 
-/* One query token of each of `batch` sequences attending over its cached keys and values.
+/* One query token of each of `batch` sequences attending over its cached keys and values, for a
+ * cache of bfloat16 (mm_decode_attention) or of float32 (mm_decode_attention_f32; q and out too).
  *
  * q: (batch, heads, head_dim), rows q_stride apart. cache: blocks of block_size slots, a slot
  * holding kv_heads keys then kv_heads values of head_dim each. tables: (batch, width) block ids;
@@ -181,75 +182,84 @@ void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows,
  * reads kv head h / (heads / kv_heads). Scores, softmax and the weighted sum in float32. */
 /* One kv head g of sequence b: the group of query heads reading it. head_dim is a constant where
  * the caller passes one (64, 128), so the loops over it unroll and stay in registers. */
-static inline void attend_head(const bf16 *restrict q, const bf16 *restrict cache, int64_t block_size,
-                               const int64_t *restrict table, int64_t length, bf16 *restrict out,
-                               int64_t group, int64_t kv_heads, int64_t g, const int64_t head_dim, float scale) {
-    int64_t slot = 2 * kv_heads * head_dim;
-    float *restrict scores = malloc(sizeof(float) * (size_t)(group * length + 2 * group * head_dim));
-    float *restrict query = scores + group * length, *restrict acc = query + group * head_dim;
-    for (int64_t j = 0; j < group * head_dim; j++) {
-        query[j] = widen(q[j]);
-        acc[j] = 0.0f;
-    }
-    float row[head_dim];
-    for (int64_t t = 0; t < length; t++) { /* scores: one key against the group's queries */
-        const bf16 *k = cache + (table[t / block_size] * block_size + t % block_size) * slot + g * head_dim;
-        if (t + AHEAD < length) { /* the slot AHEAD tokens on: its key now, its value for the second pass */
-            int64_t next = t + AHEAD;
-            const bf16 *ahead = cache + (table[next / block_size] * block_size + next % block_size) * slot;
-            for (int64_t line = 0; line < head_dim * (int64_t)sizeof(bf16); line += 64) {
-                __builtin_prefetch((const char *)(ahead + g * head_dim) + line);
-                __builtin_prefetch((const char *)(ahead + (kv_heads + g) * head_dim) + line);
-            }
-        }
-        for (int64_t d = 0; d < head_dim; d++) row[d] = widen(k[d]);
-        for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(query + j * head_dim, row, head_dim) * scale;
-    }
-    for (int64_t j = 0; j < group; j++) { /* softmax of each query's scores */
-        float *s = scores + j * length, top[LANES];
-        for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
-        int64_t t = 0;
-        for (; t + LANES <= length; t += LANES)
-            for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];
-        for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];
-        float most = top[0];
-        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
-        for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);
-        lanes_t sums = {0};
-        for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);
-        for (; t < length; t++) sums[t % LANES] += s[t];
-        float total = fold(sums);
-        for (t = 0; t < length; t++) s[t] /= total;
-    }
-    for (int64_t t = 0; t < length; t++) { /* one value into every query's sum */
-        const bf16 *v = cache + (table[t / block_size] * block_size + t % block_size) * slot + (kv_heads + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; d++) row[d] = widen(v[d]);
-        for (int64_t j = 0; j < group; j++) {
-            float p = scores[j * length + t];
-            float *restrict a = acc + j * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];
-        }
-    }
-    for (int64_t j = 0; j < group * head_dim; j++) out[j] = narrow(acc[j]);
-    free(scores);
+#define DEFINE_ATTEND_HEAD(NAME, T, LOAD, STORE) \
+static inline void NAME(const T *restrict q, const T *restrict cache, int64_t block_size,                               \
+                               const int64_t *restrict table, int64_t length, T *restrict out,                          \
+                               int64_t group, int64_t kv_heads, int64_t g, const int64_t head_dim, float scale) {       \
+    int64_t slot = 2 * kv_heads * head_dim;                                                                             \
+    float *restrict scores = malloc(sizeof(float) * (size_t)(group * length + 2 * group * head_dim));                   \
+    float *restrict query = scores + group * length, *restrict acc = query + group * head_dim;                          \
+    for (int64_t j = 0; j < group * head_dim; j++) {                                                                    \
+        query[j] = LOAD(q[j]);                                                                                          \
+        acc[j] = 0.0f;                                                                                                  \
+    }                                                                                                                   \
+    float row[head_dim];                                                                                                \
+    for (int64_t t = 0; t < length; t++) { /* scores: one key against the group's queries */                            \
+        const T *k = cache + (table[t / block_size] * block_size + t % block_size) * slot + g * head_dim;               \
+        if (t + AHEAD < length) { /* the slot AHEAD tokens on: its key now, its value for the second pass */            \
+            int64_t next = t + AHEAD;                                                                                   \
+            const T *ahead = cache + (table[next / block_size] * block_size + next % block_size) * slot;                \
+            for (int64_t line = 0; line < head_dim * (int64_t)sizeof(T); line += 64) {                                  \
+                __builtin_prefetch((const char *)(ahead + g * head_dim) + line);                                        \
+                __builtin_prefetch((const char *)(ahead + (kv_heads + g) * head_dim) + line);                           \
+            }                                                                                                           \
+        }                                                                                                               \
+        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(k[d]);                                                     \
+        for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(query + j * head_dim, row, head_dim) * scale;  \
+    }                                                                                                                   \
+    for (int64_t j = 0; j < group; j++) { /* softmax of each query's scores */                                          \
+        float *s = scores + j * length, top[LANES];                                                                     \
+        for (int l = 0; l < LANES; l++) top[l] = -INFINITY;                                                             \
+        int64_t t = 0;                                                                                                  \
+        for (; t + LANES <= length; t += LANES)                                                                         \
+            for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];                             \
+        for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];                         \
+        float most = top[0];                                                                                            \
+        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;                                           \
+        for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);                                                    \
+        lanes_t sums = {0};                                                                                             \
+        for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);                                         \
+        for (; t < length; t++) sums[t % LANES] += s[t];                                                                \
+        float total = fold(sums);                                                                                       \
+        for (t = 0; t < length; t++) s[t] /= total;                                                                     \
+    }                                                                                                                   \
+    for (int64_t t = 0; t < length; t++) { /* one value into every query's sum */                                       \
+        const T *v = cache + (table[t / block_size] * block_size + t % block_size) * slot + (kv_heads + g) * head_dim;  \
+        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(v[d]);                                                     \
+        for (int64_t j = 0; j < group; j++) {                                                                           \
+            float p = scores[j * length + t];                                                                           \
+            float *restrict a = acc + j * head_dim;                                                                     \
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * row[d];                                                  \
+        }                                                                                                               \
+    }                                                                                                                   \
+    for (int64_t j = 0; j < group * head_dim; j++) out[j] = STORE(acc[j]);                                              \
+    free(scores);                                                                                                       \
 }
 
-void mm_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *cache, int64_t block_size,
-                         const int64_t *tables, int64_t width, const int64_t *lengths, bf16 *out,
-                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
-    int64_t group = heads / kv_heads, longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-#pragma omp parallel for schedule(static) if (batch * kv_heads * longest * head_dim >= PARALLEL_VALUES * 16)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        int64_t b = task / kv_heads, g = task % kv_heads;
-        const bf16 *qg = q + b * q_stride + g * group * head_dim;
-        bf16 *o = out + (b * heads + g * group) * head_dim;
-        const int64_t *table = tables + b * width;
-        if (head_dim == 64)
-            attend_head(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 64, scale);
-        else if (head_dim == 128)
-            attend_head(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 128, scale);
-        else
-            attend_head(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, head_dim, scale);
-    }
+#define DEFINE_DECODE_ATTENTION(NAME, T, HEAD) \
+void NAME(const T *q, int64_t q_stride, const T *cache, int64_t block_size,                                      \
+                         const int64_t *tables, int64_t width, const int64_t *lengths, T *out,                   \
+                         int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {        \
+    int64_t group = heads / kv_heads, longest = 0;                                                               \
+    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;                   \
+_Pragma("omp parallel for schedule(static) if (batch * kv_heads * longest * head_dim >= PARALLEL_VALUES * 16)")  \
+    for (int64_t task = 0; task < batch * kv_heads; task++) {                                                    \
+        int64_t b = task / kv_heads, g = task % kv_heads;                                                        \
+        const T *qg = q + b * q_stride + g * group * head_dim;                                                   \
+        T *o = out + (b * heads + g * group) * head_dim;                                                         \
+        const int64_t *table = tables + b * width;                                                               \
+        if (head_dim == 64)                                                                                      \
+            HEAD(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 64, scale);                    \
+        else if (head_dim == 128)                                                                                \
+            HEAD(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 128, scale);                   \
+        else                                                                                                     \
+            HEAD(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, head_dim, scale);              \
+    }                                                                                                            \
 }
+
+static inline float same(float v) { return v; }
+
+DEFINE_ATTEND_HEAD(attend_head, bf16, widen, narrow)
+DEFINE_ATTEND_HEAD(attend_head_f32, float, same, same)
+DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head)
+DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)

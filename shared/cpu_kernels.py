@@ -58,6 +58,7 @@ _SIGNATURES = {
     "mm_rotate_vision": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "mm_silu_mul": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
+    "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
 }
 
 
@@ -109,6 +110,7 @@ class Kernels:
         self.rotate_vision = lib.mm_rotate_vision
         self.silu_mul = lib.mm_silu_mul
         self.decode_attention = lib.mm_decode_attention
+        self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
         self.path = path
 
 
@@ -133,6 +135,14 @@ def usable(*tensors: torch.Tensor) -> Kernels | None:
     """The kernels, where every tensor is a bfloat16 CPU tensor (the only kind they take)."""
     lib = kernels()
     if lib is None or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
+        return None
+    return lib
+
+
+def usable_for_attention(cache: torch.Tensor) -> Kernels | None:
+    """The kernels, where decode attention can read ``cache`` (a bfloat16 or float32 CPU tensor)."""
+    lib = kernels()
+    if lib is None or cache.device.type != "cpu" or cache.dtype not in (torch.bfloat16, torch.float32):
         return None
     return lib
 

@@ -109,22 +109,26 @@ def _plan(tables: list[list[int]], ends: list[int]) -> SdpaPlan:
 
 
 @pytest.mark.parametrize("batch,length", [(3, 70), (9, 1100)])  # the second runs on threads
+@pytest.mark.parametrize("dtype,dim", [(BF16, 64), (torch.float32, 32)])  # tiny's float32 heads: 32
 def test_decode_attention_matches_the_float32_products_and_rows_are_independent(
-    lib, batch: int, length: int
+    lib, batch: int, length: int, dtype: torch.dtype, dim: int
 ) -> None:
-    heads, kv_heads, dim, size = 14, 2, 64, 16
+    heads, kv_heads, size = 14, 2, 16
     per_seq = -(-length // size)
-    blocks = torch.randn(batch * per_seq + 1, size, 2 * kv_heads, dim, generator=_gen(6)).to(BF16)
+    blocks = torch.randn(batch * per_seq + 1, size, 2 * kv_heads, dim, generator=_gen(6)).to(dtype)
     backend = SdpaBackend(_Cache(blocks), heads, dim**-0.5)  # type: ignore[arg-type]
     perm = torch.randperm(batch * per_seq, generator=_gen(7)) + 1  # scattered blocks, block 0 unused
     tables = [perm[i * per_seq : (i + 1) * per_seq].tolist() for i in range(batch)]
     ends = [length - 13 * i for i in range(batch)]  # different lengths: padded, masked tables
-    q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=_gen(8)).to(BF16)[:, :heads]
+    q = torch.randn(batch, heads + 2 * kv_heads, dim, generator=_gen(8)).to(dtype)[:, :heads]
     plan = _plan(tables, ends)
     ours = backend._decode_kernel(lib, 0, q, plan)
     reference = backend._decode_attention(0, q, plan)
-    torch.testing.assert_close(ours.float(), reference.float(), atol=2e-2, rtol=2e-2)
-    assert _ulps(ours, reference).float().mean() < 0.5
+    if dtype == BF16:
+        torch.testing.assert_close(ours.float(), reference.float(), atol=2e-2, rtol=2e-2)
+        assert _ulps(ours, reference).float().mean() < 0.5
+    else:  # float32 throughout: the sums in another order, the exp a polynomial of ~1 ulp
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     for i in (0, batch - 1):
         alone = backend._decode_kernel(lib, 0, q[i : i + 1].contiguous(), _plan([tables[i]], [ends[i]]))
         assert torch.equal(alone, ours[i : i + 1])
@@ -133,6 +137,8 @@ def test_decode_attention_matches_the_float32_products_and_rows_are_independent(
 def test_kernels_can_be_switched_off_and_take_only_bfloat16_cpu_tensors(lib) -> None:
     assert cpu_kernels.usable(torch.zeros(2, dtype=BF16)) is lib
     assert cpu_kernels.usable(torch.zeros(2, dtype=BF16), torch.zeros(2)) is None  # float32
+    assert cpu_kernels.usable_for_attention(torch.zeros(2)) is lib  # decode attention: float32 too
+    assert cpu_kernels.usable_for_attention(torch.zeros(2, dtype=torch.float16)) is None
     script = "from mmcache.shared import cpu_kernels; print(cpu_kernels.kernels())"
     off = subprocess.run(
         [sys.executable, "-c", script],
