@@ -17,7 +17,9 @@ def greedy_texts(model_dir: str, payloads: list[dict]) -> list[str]:
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for payload in payloads:
-        prompt = processor.apply_chat_template(payload["messages"], tokenize=False, add_generation_prompt=True)
+        prompt = processor.apply_chat_template(
+            payload["messages"], tokenize=False, add_generation_prompt=True
+        )
         inputs = processor(text=[prompt], return_tensors="pt")
         n = inputs["input_ids"].shape[1]
         # NOTE: ignore_eos as the servers take it: an end token is generated and not stopped at.

@@ -249,7 +249,9 @@ async def greedy_texts(peers: list[Peer], session: aiohttp.ClientSession, hf: st
 
         texts["hf"] = await asyncio.to_thread(hf_texts, hf, prompts)
         for p in peers:
-            out[f"equal_hf_{p.name}"] = same_hf = sum(x == y for x, y in zip(texts[p.name], texts["hf"]))
+            out[f"equal_hf_{p.name}"] = same_hf = sum(
+                x == y for x, y in zip(texts[p.name], texts["hf"], strict=True)
+            )
             line += f", {p.name} = HF {same_hf}/{len(prompts)}"
     print(line, flush=True)
     return out
@@ -266,7 +268,10 @@ def main() -> None:
         "--texts-only", action="store_true", help="only compare greedy texts (serve both in float32 for this)"
     )
     parser.add_argument(
-        "--hf", default="", metavar="DIR", help="also compare both servers' greedy texts with transformers' on DIR"
+        "--hf",
+        default="",
+        metavar="DIR",
+        help="also compare both servers' greedy texts with transformers' on DIR",
     )
     parser.add_argument(
         "--results-dir", default="", help="write the figures there as <date>-vllm-compare-<commit>.json"
