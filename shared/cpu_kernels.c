@@ -1,4 +1,5 @@
-/* The decoder layer's small operators on bfloat16 rows, one pass each (shared/cpu_kernels.py).
+/* The decoder layer's small operators on bfloat16 rows, one pass each (shared/cpu_kernels.py);
+ * decode attention on float32 caches too.
  *
  * Compiled on the machine that runs it (-march=native), loaded with ctypes. Every row is computed
  * the same way whatever the number of rows: a row alone equals that row among many (what a cache
