@@ -97,7 +97,8 @@ class SdpaBackend:
         self.scaling = scaling
         self.device = kv.kv.device
         self.dtype = kv.kv.dtype
-        self.kernels = cpu_kernels.usable_for_attention(kv.kv)  # decode attention in one C call (CPU)
+        # decode attention in one C call (a bfloat16 or float32 cache on a CPU)
+        self.kernels = cpu_kernels.usable(kv.kv, dtypes=(torch.bfloat16, torch.float32))
 
     def plan(self, items: list[StepItem]) -> SdpaPlan:
         size = self.kv.block_size

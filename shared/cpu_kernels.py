@@ -131,18 +131,11 @@ def kernels() -> Kernels | None:
         return None
 
 
-def usable(*tensors: torch.Tensor) -> Kernels | None:
-    """The kernels, where every tensor is a bfloat16 CPU tensor (the only kind they take)."""
+def usable(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> Kernels | None:
+    """The kernels, where every tensor is a CPU tensor of ``dtypes`` (bfloat16: what every kernel
+    takes; decode attention also takes a float32 cache)."""
     lib = kernels()
-    if lib is None or any(t.device.type != "cpu" or t.dtype != torch.bfloat16 for t in tensors):
-        return None
-    return lib
-
-
-def usable_for_attention(cache: torch.Tensor) -> Kernels | None:
-    """The kernels, where decode attention can read ``cache`` (a bfloat16 or float32 CPU tensor)."""
-    lib = kernels()
-    if lib is None or cache.device.type != "cpu" or cache.dtype not in (torch.bfloat16, torch.float32):
+    if lib is None or any(t.device.type != "cpu" or t.dtype not in dtypes for t in tensors):
         return None
     return lib
 

@@ -137,8 +137,9 @@ def test_decode_attention_matches_the_float32_products_and_rows_are_independent(
 def test_kernels_can_be_switched_off_and_take_only_bfloat16_cpu_tensors(lib) -> None:
     assert cpu_kernels.usable(torch.zeros(2, dtype=BF16)) is lib
     assert cpu_kernels.usable(torch.zeros(2, dtype=BF16), torch.zeros(2)) is None  # float32
-    assert cpu_kernels.usable_for_attention(torch.zeros(2)) is lib  # decode attention: float32 too
-    assert cpu_kernels.usable_for_attention(torch.zeros(2, dtype=torch.float16)) is None
+    both = (BF16, torch.float32)  # what decode attention takes
+    assert cpu_kernels.usable(torch.zeros(2), dtypes=both) is lib
+    assert cpu_kernels.usable(torch.zeros(2, dtype=torch.float16), dtypes=both) is None
     script = "from mmcache.shared import cpu_kernels; print(cpu_kernels.kernels())"
     off = subprocess.run(
         [sys.executable, "-c", script],
