@@ -97,8 +97,11 @@ class SdpaBackend:
         self.scaling = scaling
         self.device = kv.kv.device
         self.dtype = kv.kv.dtype
-        # decode attention in one C call (a bfloat16 or float32 cache on a CPU)
+        # decode attention in one C call (a bfloat16 or float32 cache on a CPU), split over the
+        # kernels' helper threads where the step has several kv heads' worth of work
         self.kernels = cpu_kernels.usable(kv.kv, dtypes=(torch.bfloat16, torch.float32))
+        if self.kernels is not None:
+            self.kernels.start_helpers()
 
     def plan(self, items: list[StepItem]) -> SdpaPlan:
         size = self.kv.block_size

@@ -10,16 +10,21 @@
  *
  * OpenMP: the process's own libgomp (torch's, already loaded) runs the parallel loops, over rows
  * or attention heads, only where the work is large enough to be worth waking the other threads.
+ * Decode attention runs on the kernels' own helper threads where they were started (cpu_pool.c:
+ * no wake-up per call), from a few thousand cached values on.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_pool.h"
+
 typedef uint16_t bf16;
 
 #define LANES 16
 #define PARALLEL_VALUES (1 << 16) /* below this many values a loop stays on the calling thread */
+#define POOL_VALUES (1 << 14) /* decode attention over this many cached values goes to the helpers (cpu_pool.c) */
 #define AHEAD 16 /* decode attention prefetches the cache slot this many tokens ahead (the cache is cold in a step) */
 
 static inline float widen(bf16 v) {
@@ -237,25 +242,43 @@ static inline void NAME(const T *restrict q, const T *restrict cache, int64_t bl
     free(scores);                                                                                                       \
 }
 
+typedef struct {
+    const void *q, *cache;
+    const int64_t *tables, *lengths;
+    void *out;
+    int64_t q_stride, block_size, width, heads, kv_heads, head_dim;
+    float scale;
+} attention_t;
+
+/* Task b * kv_heads + g: kv head g of sequence b. */
 #define DEFINE_DECODE_ATTENTION(NAME, T, HEAD) \
+static void NAME##_task(const void *ctx, int64_t task) {                                                         \
+    const attention_t *a = ctx;                                                                                  \
+    int64_t group = a->heads / a->kv_heads, b = task / a->kv_heads, g = task % a->kv_heads;                      \
+    const T *qg = (const T *)a->q + b * a->q_stride + g * group * a->head_dim;                                   \
+    T *o = (T *)a->out + (b * a->heads + g * group) * a->head_dim;                                               \
+    const int64_t *table = a->tables + b * a->width;                                                             \
+    const T *cache = a->cache;                                                                                   \
+    if (a->head_dim == 64)                                                                                       \
+        HEAD(qg, cache, a->block_size, table, a->lengths[b], o, group, a->kv_heads, g, 64, a->scale);            \
+    else if (a->head_dim == 128)                                                                                 \
+        HEAD(qg, cache, a->block_size, table, a->lengths[b], o, group, a->kv_heads, g, 128, a->scale);           \
+    else                                                                                                         \
+        HEAD(qg, cache, a->block_size, table, a->lengths[b], o, group, a->kv_heads, g, a->head_dim, a->scale);   \
+}                                                                                                                \
 void NAME(const T *q, int64_t q_stride, const T *cache, int64_t block_size,                                      \
                          const int64_t *tables, int64_t width, const int64_t *lengths, T *out,                   \
                          int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {        \
-    int64_t group = heads / kv_heads, longest = 0;                                                               \
+    const attention_t a = {q, cache, tables, lengths, out, q_stride, block_size, width, heads, kv_heads,         \
+                           head_dim, scale};                                                                     \
+    int64_t longest = 0, tasks = batch * kv_heads;                                                               \
     for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;                   \
-_Pragma("omp parallel for schedule(static) if (batch * kv_heads * longest * head_dim >= PARALLEL_VALUES * 16)")  \
-    for (int64_t task = 0; task < batch * kv_heads; task++) {                                                    \
-        int64_t b = task / kv_heads, g = task % kv_heads;                                                        \
-        const T *qg = q + b * q_stride + g * group * head_dim;                                                   \
-        T *o = out + (b * heads + g * group) * head_dim;                                                         \
-        const int64_t *table = tables + b * width;                                                               \
-        if (head_dim == 64)                                                                                      \
-            HEAD(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 64, scale);                    \
-        else if (head_dim == 128)                                                                                \
-            HEAD(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, 128, scale);                   \
-        else                                                                                                     \
-            HEAD(qg, cache, block_size, table, lengths[b], o, group, kv_heads, g, head_dim, scale);              \
+    if (mm_pool_helpers() > 0 && tasks > 1 && tasks * longest * head_dim >= POOL_VALUES) {                       \
+        mm_pool_run(NAME##_task, &a, tasks);                                                                     \
+        return;                                                                                                  \
     }                                                                                                            \
+_Pragma("omp parallel for schedule(static) if (tasks * longest * head_dim >= PARALLEL_VALUES * 16)")             \
+    for (int64_t task = 0; task < tasks; task++) NAME##_task(&a, task);                                          \
 }
 
 static inline float same(float v) { return v; }

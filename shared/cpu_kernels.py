@@ -35,7 +35,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The small operators, the few-row weight product on AMX (``cpu_amx.c``, used by shared/linear.py),
+# and the helper threads both share (``cpu_pool.c``).
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_pool.c")]
+HEADERS = [Path(__file__).with_name("cpu_pool.h")]
 FLAGS = [
     "-O3",
     "-march=native",
@@ -59,6 +62,7 @@ _SIGNATURES = {
     "mm_silu_mul": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
+    "mm_amx_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr],
 }
 
 
@@ -78,7 +82,15 @@ def _cpu_flags() -> str:
 def _compile(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags(), platform.machine()]).encode()
+        "\0".join(
+            [
+                *(s.read_text() for s in SOURCES + HEADERS),
+                version,
+                " ".join(FLAGS),
+                _cpu_flags(),
+                platform.machine(),
+            ]
+        ).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -87,7 +99,7 @@ def _compile(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", str(built), *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             check=True,
@@ -111,7 +123,35 @@ class Kernels:
         self.silu_mul = lib.mm_silu_mul
         self.decode_attention = lib.mm_decode_attention
         self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
+        self.amx_product = lib.mm_amx_product
+        lib.mm_amx_ready.restype = lib.mm_pool_start.restype = ctypes.c_int
+        lib.mm_pool_start.argtypes = [_i64]
+        lib.mm_pool_rest.argtypes, lib.mm_pool_rest.restype = [], None
+        lib.mm_pool_sleeping.argtypes, lib.mm_pool_sleeping.restype = [], ctypes.c_int64
+        self.pool_sleeping = lib.mm_pool_sleeping  # helpers asleep now
+        self._pool_start = lib.mm_pool_start
+        self.pool_rest = lib.mm_pool_rest
+        self.helpers = 0  # helper threads started (cpu_pool.c)
+        # NOTE: asks the kernel for the tile registers (once a process; oneDNN asks too, where it
+        # uses them): 0 where the library was built without AMX or the kernel refuses.
+        self.amx = bool(lib.mm_amx_ready())
         self.path = path
+
+    def start_helpers(self) -> bool:
+        """Start the helper threads (``cpu_pool.c``) the parallel kernels share: this thread's torch
+        thread count less one (itself), once a process; later calls add none. False if it failed."""
+        wanted = max(0, torch.get_num_threads() - 1)
+        ok = self._pool_start(wanted) == 0
+        self.helpers = max(self.helpers, wanted if ok else 0)
+        return ok
+
+
+def rest_helpers() -> None:
+    """Before a torch operator with threads of its own (OpenMP): the helper threads sleep now
+    instead of spinning for the next kernel on the cores that operator's threads need."""
+    lib = kernels()
+    if lib is not None and lib.helpers:
+        lib.pool_rest()
 
 
 @cache
@@ -182,6 +222,38 @@ def rotate_vision(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
         dim,
         cos.data_ptr(),
         sin.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
+
+
+AMX_ROWS = 64  # rows mm_amx_product takes (16 a tile, the weights read once from memory); above, oneDNN
+
+
+def amx_product(
+    lib: Kernels,
+    x: torch.Tensor,
+    weight: int,
+    n: int,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias + residual``, rounded once to bfloat16, for rows ``x`` (rows <= AMX_ROWS, k)
+    bfloat16 with its last dimension contiguous; ``weight`` the address of oneDNN's packed bfloat16
+    ``W`` (n, k) (``cpu_amx.c`` says which layout), ``bias`` (n,) and ``residual`` (rows, n)
+    contiguous bfloat16 or None."""
+    rows, k = x.shape
+    assert rows <= AMX_ROWS and x.stride(1) == 1
+    out = torch.empty((rows, n), dtype=torch.bfloat16)
+    lib.amx_product(
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        weight,
+        n,
+        k,
+        None if bias is None else bias.data_ptr(),
+        None if residual is None else residual.data_ptr(),
         out.data_ptr(),
     )
     return out
