@@ -3,7 +3,10 @@
 Both servers must already run (see docs/performance.md for the commands); this script only sends
 requests, the same kinds to both, alternating A B B A within every row so background load hits
 them alike, and prints one line per row: the medians and B's figure over A's where a larger ratio
-means mmcache is ahead.
+means mmcache is ahead. Before each sample it waits (up to 3 s) for the machine to go quiet: an
+idle server's threads may keep a core busy after its last request (vLLM's CPU worker spun at 100%
+of a core for ~1-1.5 s after each request on a 2-core VM, 2026-12-06), and a sample sent to the
+other server in that time ran on what was left.
 
 Rows (6 samples each by default):
   text_ttft     TTFT of a text request with a new ~220-token prompt (nothing cached)
@@ -148,6 +151,35 @@ class Workload:
         return {**body("", [user(*content)], max_tokens=max_tokens), "ignore_eos": True}
 
 
+QUIET_BUSY = 0.2  # of all cores: below this, the machine counts as quiet
+QUIET_WAIT_S = 3.0
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot (None where /proc/stat is missing)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+async def quiet(window_s: float = 0.1) -> float:
+    """Wait until the CPUs are below QUIET_BUSY over a ``window_s`` window, at most QUIET_WAIT_S;
+    returns the seconds waited."""
+    start = time.perf_counter()
+    while (before := _cpu_times()) is not None:
+        await asyncio.sleep(window_s)
+        after = _cpu_times()
+        if after is None or after[1] == before[1]:
+            break
+        busy = (after[0] - before[0]) / (after[1] - before[1])
+        if busy < QUIET_BUSY or time.perf_counter() - start > QUIET_WAIT_S:
+            break
+    return time.perf_counter() - start
+
+
 async def row(
     name: str, peers: list[Peer], rounds: int, sample: Callable[[Peer, int], Awaitable[float]], higher: bool
 ) -> dict:
@@ -155,6 +187,7 @@ async def row(
     values: dict[str, list[float]] = {p.name: [] for p in peers}
     for r in range(rounds):
         for peer in peers if r % 2 == 0 else peers[::-1]:
+            await quiet()
             values[peer.name].append(await sample(peer, r))
     a, b = (statistics.median(values[p.name]) for p in peers)
     ratio = a / b if higher else b / a
