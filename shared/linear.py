@@ -109,6 +109,7 @@ class Projection:
         "amx_weight",
         "bias",
         "half_scale",
+        "in_features",
         "kind",
         "nbytes",
         "numel",
@@ -121,7 +122,7 @@ class Projection:
         self.bias = bias
         self.numel = weight.numel()
         self.nbytes = weight.numel() * weight.element_size()  # what a step reads
-        self.out_features = weight.shape[0] if weight.dim() == 2 else 0
+        self.out_features, self.in_features = weight.shape if weight.dim() == 2 else (0, 0)
         self.kind = "dense"
         self.half_scale = 0
         self.amx: cpu_kernels.Kernels | None = None  # few-row products on AMX (cpu_amx.c)
@@ -151,7 +152,8 @@ class Projection:
     def _few_rows(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes to the AMX kernel (else to a kernel with OpenMP threads, before which
         the kernels' helper threads are sent to sleep)."""
-        if self.amx is not None and 0 < x.shape[0] <= cpu_kernels.AMX_ROWS and x.stride(1) == 1:
+        few = self.amx is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.AMX_ROWS
+        if few and x.shape[1] == self.in_features and x.stride(1) == 1:
             return True
         cpu_kernels.rest_helpers()
         return False
