@@ -35,9 +35,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# The small operators, the few-row weight product on AMX (``cpu_amx.c``, used by shared/linear.py),
+# The small operators, the few-row weight product (``cpu_packed.c``, used by shared/linear.py),
 # and the helper threads both share (``cpu_pool.c``).
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_amx.c", "cpu_pool.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_packed.c", "cpu_pool.c")]
 HEADERS = [Path(__file__).with_name("cpu_pool.h")]
 FLAGS = [
     "-O3",
@@ -55,6 +55,7 @@ COMPILE_TIMEOUT_S = 120
 ENV_SWITCH = "MMCACHE_CPU_KERNELS"
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_PACKED_ISAS = ("", "avx512-bf16", "amx")  # mm_packed_isa's answers
 _SIGNATURES = {
     "mm_rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "mm_rotate": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
@@ -62,7 +63,7 @@ _SIGNATURES = {
     "mm_silu_mul": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
-    "mm_amx_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr],
+    "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
 }
 
 
@@ -123,8 +124,8 @@ class Kernels:
         self.silu_mul = lib.mm_silu_mul
         self.decode_attention = lib.mm_decode_attention
         self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
-        self.amx_product = lib.mm_amx_product
-        lib.mm_amx_ready.restype = lib.mm_pool_start.restype = ctypes.c_int
+        self.packed_product = lib.mm_packed_product
+        lib.mm_packed_isa.restype = lib.mm_pool_start.restype = ctypes.c_int
         lib.mm_pool_start.argtypes = [_i64]
         lib.mm_pool_rest.argtypes, lib.mm_pool_rest.restype = [], None
         lib.mm_pool_sleeping.argtypes, lib.mm_pool_sleeping.restype = [], ctypes.c_int64
@@ -133,8 +134,8 @@ class Kernels:
         self.pool_rest = lib.mm_pool_rest
         self.helpers = 0  # helper threads started (cpu_pool.c)
         # NOTE: asks the kernel for the tile registers (once a process; oneDNN asks too, where it
-        # uses them): 0 where the library was built without AMX or the kernel refuses.
-        self.amx = bool(lib.mm_amx_ready())
+        # uses them). "" where the library was built for neither instruction set.
+        self.packed_isa = _PACKED_ISAS[lib.mm_packed_isa()]  # which one packed_product runs on
         self.path = path
 
     def start_helpers(self) -> bool:
@@ -227,25 +228,27 @@ def rotate_vision(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return out
 
 
-AMX_ROWS = 64  # rows mm_amx_product takes (16 a tile, the weights read once from memory); above, oneDNN
+PACKED_ROWS = 64  # rows mm_packed_product takes (the weights read once from memory); above, oneDNN
 
 
-def amx_product(
+def packed_product(
     lib: Kernels,
     x: torch.Tensor,
     weight: int,
     n: int,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
-    """``x @ W.T + bias + residual``, rounded once to bfloat16, for rows ``x`` (rows <= AMX_ROWS, k)
-    bfloat16 with its last dimension contiguous; ``weight`` the address of oneDNN's packed bfloat16
-    ``W`` (n, k) (``cpu_amx.c`` says which layout), ``bias`` (n,) and ``residual`` (rows, n)
-    contiguous bfloat16 or None."""
+    """``x @ W.T + bias + residual``, rounded once to bfloat16, for rows ``x`` (rows <= PACKED_ROWS,
+    k) bfloat16 with its last dimension contiguous; ``weight`` the address of oneDNN's packed
+    bfloat16 ``W`` (n, k) (``cpu_packed.c`` says which layout), ``bias`` (n,) and ``residual``
+    (rows, n) contiguous bfloat16 or None; ``chunk`` the input pairs of a partial sum on AVX512-BF16
+    (0: one sum)."""
     rows, k = x.shape
-    assert rows <= AMX_ROWS and x.stride(1) == 1
+    assert rows <= PACKED_ROWS and x.stride(1) == 1
     out = torch.empty((rows, n), dtype=torch.bfloat16)
-    lib.amx_product(
+    lib.packed_product(
         x.data_ptr(),
         x.stride(0),
         rows,
@@ -255,5 +258,6 @@ def amx_product(
         None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(),
         out.data_ptr(),
+        chunk,
     )
     return out

@@ -1,4 +1,4 @@
-/* Helper threads for the compiled kernels' parallel loops (cpu_amx.c's products, decode attention).
+/* Helper threads for the compiled kernels' parallel loops (cpu_packed.c's products, decode attention).
  *
  * A decode step runs ~100 weight products with tens of microseconds of single-threaded work
  * between them. An OpenMP team whose idle threads sleep after a short spin (the launcher's

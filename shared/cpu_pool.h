@@ -18,7 +18,7 @@ int64_t mm_pool_helpers(void);
 /* Helpers asleep now (the others spin or work). */
 int64_t mm_pool_sleeping(void);
 
-/* Free this thread's AMX tiles if it holds any (cpu_amx.c): a helper calls it before it sleeps. */
+/* Free this thread's AMX tiles if it holds any (cpu_packed.c): a helper calls it before it sleeps. */
 void mm_tiles_release(void);
 
 #endif

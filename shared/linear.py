@@ -14,7 +14,7 @@ Two layouts, each chosen only where it computes what the checkpoint says:
   float32 sums, rounded to bfloat16 once where eager rounds twice: one operator fewer per product
   (a 230- or 512-token prefill of Qwen2-0.5B's shape 3-5% faster on a 2-core AMX Xeon, decode
   unchanged), results within that one rounding of eager's, alike for any number of rows.
-  Products of up to 64 rows (decode steps) run on AMX through ``cpu_amx.c`` over the same packed
+  Products of up to 64 rows (decode steps) run on AMX through ``cpu_packed.c`` over the same packed
   weight, where it computes oneDNN's result bit for bit (a probe at load): the same tile
   instruction in the same order, without torch's dispatch and oneDNN's set-up per call, on helper
   threads that do not sleep between a step's products (``cpu_pool.c``). On the 2-core AMX Xeon
@@ -69,8 +69,12 @@ _HAS_ONEDNN = _HAS_PRODUCT and _HAS_BINARY
 _HALF_PRODUCT, _HAS_HALF = _overload("quantized", "linear_dynamic_fp16")
 _PACKED_ADDRESS, _HAS_ADDRESS = _overload("mkldnn", "data_ptr")
 _PACKED_BYTES, _HAS_BYTES = _overload("mkldnn", "_nbytes")
-_AMX_BLOCK, _AMX_CHUNK = 64, 32  # the packed layout's output block and a tile's inputs (cpu_amx.c)
-_AMX_PROBE_ROWS = 21  # more than a tile's 16 rows: the kernel's second pass over a block too
+_PACKED_BLOCK, _PACKED_CHUNK = 64, 32  # the packed layout's output block and an AMX tile's inputs
+_PACKED_PROBE_ROWS = 21  # more than a pass takes (16 rows on AMX, 6 on AVX512-BF16): a second pass too
+_VEC_CHUNKS = (256, 512, 128, 0)  # AVX512-BF16: oneDNN's partial-sum lengths (input pairs) to try
+_PROBE_VALUES = 1 << 15  # outputs the packed kernel's probe compares with oneDNN's, at most
+_PROBE_MAX_ROWS = 512  # (rows for it)
+_PROBE_SINGLES = 48  # rows the AVX512-BF16 probe multiplies one at a time, at most
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -105,15 +109,16 @@ class Projection:
     """
 
     __slots__ = (
-        "amx",
-        "amx_weight",
         "bias",
         "half_scale",
         "in_features",
+        "kernels",
         "kind",
         "nbytes",
         "numel",
         "out_features",
+        "packed_address",
+        "packed_chunks",
         "weight",
     )
 
@@ -125,14 +130,17 @@ class Projection:
         self.out_features, self.in_features = weight.shape if weight.dim() == 2 else (0, 0)
         self.kind = "dense"
         self.half_scale = 0
-        self.amx: cpu_kernels.Kernels | None = None  # few-row products on AMX (cpu_amx.c)
-        self.amx_weight = 0  # the packed weight's address, for them
+        self.kernels: cpu_kernels.Kernels | None = None  # few-row products (cpu_packed.c)
+        self.packed_address = 0  # the packed weight's address, for them
+        self.packed_chunks = (0, 0)  # their partial-sum lengths, one row and more (cpu_packed.c)
         if packing_supported(weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if _same_as_dense(weight, bias, packed):
                 self.weight, self.kind = packed, "onednn"
-                self.amx = _amx_kernels(weight, bias, packed)
-                self.amx_weight = int(_PACKED_ADDRESS(packed)) if self.amx is not None else 0
+                found = _packed_kernels(weight, bias, packed)
+                if found is not None:
+                    self.kernels, self.packed_chunks = found
+                    self.packed_address = int(_PACKED_ADDRESS(packed))
         elif half and half_supported(weight) and (fits := half_scaled(weight)) is not None:
             self.half_scale, scaled = fits
             self.weight = torch.ops.quantized.linear_prepack_fp16(scaled, None)
@@ -150,9 +158,9 @@ class Projection:
         return 2.0**-self.half_scale
 
     def _few_rows(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` goes to the AMX kernel (else to a kernel with OpenMP threads, before which
+        """Whether ``x`` goes to ``cpu_packed.c`` (else to a kernel with OpenMP threads, before which
         the kernels' helper threads are sent to sleep)."""
-        few = self.amx is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.AMX_ROWS
+        few = self.kernels is not None and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.PACKED_ROWS
         if few and x.shape[1] == self.in_features and x.stride(1) == 1:
             return True
         cpu_kernels.rest_helpers()
@@ -173,8 +181,15 @@ class Projection:
         float32's subnormals), so the sums equal those of the unscaled input and scaled output.
         """
         if self._few_rows(x):
-            assert self.amx is not None
-            return cpu_kernels.amx_product(self.amx, x, self.amx_weight, self.out_features, self.bias)
+            assert self.kernels is not None
+            return cpu_kernels.packed_product(
+                self.kernels,
+                x,
+                self.packed_address,
+                self.out_features,
+                self.bias,
+                chunk=self.packed_chunks[x.shape[0] > 1],
+            )
         if self.kind == "onednn":
             return _ONEDNN_PRODUCT(x, self.weight, self.bias, "none", [], "")
         if self.kind == "fp16":
@@ -191,9 +206,17 @@ class Projection:
         """
         if self.kind == "onednn" and residual.is_contiguous():
             if self._few_rows(x):
-                assert self.amx is not None
+                assert self.kernels is not None
                 n = self.out_features
-                return cpu_kernels.amx_product(self.amx, x, self.amx_weight, n, self.bias, residual)
+                return cpu_kernels.packed_product(
+                    self.kernels,
+                    x,
+                    self.packed_address,
+                    n,
+                    self.bias,
+                    residual,
+                    self.packed_chunks[x.shape[0] > 1],
+                )
             return _ONEDNN_BINARY(x, residual, self.weight, self.bias, "add")
         cpu_kernels.rest_helpers()
         if self.kind != "fp16" or self.bias is not None:
@@ -203,43 +226,85 @@ class Projection:
 
 def _same_as_dense(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> bool:
     """The packed product equals ``F.linear`` bit for bit, for one row as for many; a residual
-    of zeros joined in the kernel (:meth:`Projection.add_to`) leaves it unchanged."""
+    of zeros joined in the kernel (:meth:`Projection.add_to`) leaves it unchanged.
+
+    NOTE: each row count against ``F.linear`` at the same row count: oneDNN's AVX512-BF16 kernel
+    (without AMX) changes the length of its partial sums with the row count, so there a row among
+    five may differ in rounding from the same row alone, packed or not.
+    """
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(_PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
     batch = _ONEDNN_PRODUCT(x, packed, bias, "none", [], "")
     alone = _ONEDNN_PRODUCT(x[:1], packed, bias, "none", [], "")
     joined = _ONEDNN_BINARY(x, torch.zeros_like(batch), packed, bias, "add")
     dense = F.linear(x, weight, bias)
-    return torch.equal(batch, dense) and torch.equal(alone, dense[:1]) and torch.equal(joined, dense)
+    return (
+        torch.equal(batch, dense)
+        and torch.equal(alone, F.linear(x[:1], weight, bias))
+        and torch.equal(joined, dense)
+    )
 
 
-def _amx_kernels(
+def _packed_kernels(
     weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor
-) -> cpu_kernels.Kernels | None:
-    """The kernels, where ``cpu_amx.c`` can multiply by ``packed`` and gives oneDNN's products bit
-    for bit (one row, a few, with the residual joined), else None."""
+) -> tuple[cpu_kernels.Kernels, tuple[int, int]] | None:
+    """The kernels, where ``cpu_packed.c`` multiplies by ``packed`` as oneDNN does bit for bit,
+    and the partial-sum lengths (``cpu_packed.c``'s ``chunk``) for one row and for more; else None.
+
+    Checked on probe rows, with the residual joined or not: alone, five and 21 at a time, then in
+    batches of up to 64 until ~2**15 outputs were compared. AMX has one order. On AVX512-BF16, oneDNN's kernel sums the input pairs in partial sums whose length
+    depends on the weight's inputs and on whether there is more than one row (on a 2-core AMD EPYC:
+    256 pairs for 896 inputs; for 4864, 256 for one row and 512 for more): the probe tries the
+    likely lengths and keeps the first that gives oneDNN's bits.
+    """
     lib = cpu_kernels.kernels()
     n, k = weight.shape
-    if lib is None or not lib.amx or not (_HAS_ADDRESS and _HAS_BYTES) or n % _AMX_BLOCK or k % _AMX_CHUNK:
+    if (
+        lib is None
+        or not lib.packed_isa
+        or not (_HAS_ADDRESS and _HAS_BYTES)
+        or n % _PACKED_BLOCK
+        or k % _PACKED_CHUNK
+    ):
         return None
     if bias is not None and not (bias.is_contiguous() and bias.dtype == torch.bfloat16):
         return None
     if int(_PACKED_BYTES(packed)) != weight.numel() * weight.element_size():  # padded: another layout
         return None
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(_AMX_PROBE_ROWS, k, generator=gen).to(weight.dtype)
-    residual = torch.randn(_AMX_PROBE_ROWS, n, generator=gen).to(weight.dtype)
-    address = int(_PACKED_ADDRESS(packed))
     if not lib.start_helpers():
         return None
-    for rows in (x, x[:_PROBE_ROWS], x[:1]):
-        ours = cpu_kernels.amx_product(lib, rows, address, n, bias)
-        joined = cpu_kernels.amx_product(lib, rows, address, n, bias, residual[: len(rows)])
-        if not torch.equal(ours, _ONEDNN_PRODUCT(rows, packed, bias, "none", [], "")):
-            return None
-        if not torch.equal(joined, _ONEDNN_BINARY(rows, residual[: len(rows)], packed, bias, "add")):
-            return None
-    return lib
+    # NOTE: a wrong order shows in about one output in 5000, so the probe compares ~2**15 of them:
+    # more rows for a weight with few outputs (cheap: such a weight is small).
+    wanted = min(_PROBE_MAX_ROWS, max(_PACKED_PROBE_ROWS, -(-_PROBE_VALUES // n)))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(wanted, k, generator=gen).to(weight.dtype)
+    residual = torch.randn(wanted, n, generator=gen).to(weight.dtype)
+    address = int(_PACKED_ADDRESS(packed))
+
+    def agrees(chunk: int, batches: list[torch.Tensor], join: bool = True) -> bool:
+        for rows in batches:
+            ours = cpu_kernels.packed_product(lib, rows, address, n, bias, chunk=chunk)
+            if not torch.equal(ours, _ONEDNN_PRODUCT(rows, packed, bias, "none", [], "")):
+                return False
+            if join:
+                add = residual[: len(rows)]
+                joined = cpu_kernels.packed_product(lib, rows, address, n, bias, add, chunk)
+                if not torch.equal(joined, _ONEDNN_BINARY(rows, add, packed, bias, "add")):
+                    return False
+        return True
+
+    many = [x[:_PROBE_ROWS], x[:_PACKED_PROBE_ROWS]]
+    many += [
+        x[i : i + cpu_kernels.PACKED_ROWS] for i in range(_PACKED_PROBE_ROWS, wanted, cpu_kernels.PACKED_ROWS)
+    ]
+    if lib.packed_isa == "amx":
+        return (lib, (0, 0)) if agrees(0, [x[:1], *many]) else None
+    singles = [x[i : i + 1] for i in range(min(wanted, _PROBE_SINGLES))]
+    one = next(
+        (c for c in _VEC_CHUNKS if agrees(c, singles[:1]) and agrees(c, singles[1:], join=False)), None
+    )
+    more = next((c for c in _VEC_CHUNKS if agrees(c, many)), None)
+    return None if one is None or more is None else (lib, (one, more))
 
 
 class PackedLinear(nn.Module):
