@@ -14,13 +14,13 @@ Two layouts, each chosen only where it computes what the checkpoint says:
   float32 sums, rounded to bfloat16 once where eager rounds twice: one operator fewer per product
   (a 230- or 512-token prefill of Qwen2-0.5B's shape 3-5% faster on a 2-core AMX Xeon, decode
   unchanged), results within that one rounding of eager's, alike for any number of rows.
-  Products of up to 64 rows (decode steps) run on AMX through ``cpu_packed.c`` over the same packed
-  weight, where it computes oneDNN's result bit for bit (a probe at load): the same tile
-  instruction in the same order, without torch's dispatch and oneDNN's set-up per call, on helper
-  threads that do not sleep between a step's products (``cpu_pool.c``). On the 2-core AMX Xeon
-  the 96 products of a ``mid`` decode step (Qwen2-0.5B's 24 layers), back to back, took 28.8 ms
-  against oneDNN's 33.5 (1 to 16 rows alike), 25 against 21.6 GB/s; inside the engine the step
-  went from 41 to 30 ms.
+  Products of up to 64 rows (decode steps) run through ``cpu_packed.c`` over the same packed
+  weight, on AMX or on AVX512-BF16, where it computes oneDNN's result bit for bit (a probe at
+  load): the same instruction in the same order, without torch's dispatch and oneDNN's set-up per
+  call, on helper threads that do not sleep between a step's products (``cpu_pool.c``). The 96
+  products of a ``mid`` decode step (Qwen2-0.5B's 24 layers), back to back, one row: 28.8 ms
+  against oneDNN's 33.5 on a 2-core AMX Xeon (the step in the engine from 41 to 30 ms), 25-26
+  against 33-38 on a 2-core AMD EPYC with AVX512-BF16 (the step from 48 to 27 ms).
 - **FBGEMM, float16 weights with float32 arithmetic** (float32 compute on a CPU, where the weight's
   values fit float16 exactly: a bfloat16 checkpoint served in float32 on a CPU without bfloat16
   kernels). A batch-1 decode step reads every weight once, so its time is the weight bytes over
@@ -252,10 +252,11 @@ def _packed_kernels(
     and the partial-sum lengths (``cpu_packed.c``'s ``chunk``) for one row and for more; else None.
 
     Checked on probe rows, with the residual joined or not: alone, five and 21 at a time, then in
-    batches of up to 64 until ~2**15 outputs were compared. AMX has one order. On AVX512-BF16, oneDNN's kernel sums the input pairs in partial sums whose length
-    depends on the weight's inputs and on whether there is more than one row (on a 2-core AMD EPYC:
-    256 pairs for 896 inputs; for 4864, 256 for one row and 512 for more): the probe tries the
-    likely lengths and keeps the first that gives oneDNN's bits.
+    batches of up to 64 until ~2**15 outputs were compared. AMX has one order. On AVX512-BF16,
+    oneDNN's kernel sums the input pairs in partial sums whose length depends on the weight's
+    inputs and on whether there is more than one row (on a 2-core AMD EPYC: 256 pairs for 896
+    inputs; for 4864, 256 for one row and 512 for more): the probe tries the likely lengths and
+    keeps the first that gives oneDNN's bits.
     """
     lib = cpu_kernels.kernels()
     n, k = weight.shape
