@@ -251,8 +251,8 @@ def _packed_kernels(
     """The kernels, where ``cpu_packed.c`` multiplies by ``packed`` as oneDNN does bit for bit,
     and the partial-sum lengths (``cpu_packed.c``'s ``chunk``) for one row and for more; else None.
 
-    Checked on probe rows, with the residual joined or not: alone, five and 21 at a time, then in
-    batches of up to 64 until ~2**15 outputs were compared. AMX has one order. On AVX512-BF16,
+    Checked on probe rows, with the residual joined or not: alone, five and 21 at a time, and on
+    AVX512-BF16 then in batches of up to 64 until ~2**15 outputs were compared. AMX has one order. On AVX512-BF16,
     oneDNN's kernel sums the input pairs in partial sums whose length depends on the weight's
     inputs and on whether there is more than one row (on a 2-core AMD EPYC: 256 pairs for 896
     inputs; for 4864, 256 for one row and 512 for more): the probe tries the likely lengths and
@@ -299,7 +299,9 @@ def _packed_kernels(
         x[i : i + cpu_kernels.PACKED_ROWS] for i in range(_PACKED_PROBE_ROWS, wanted, cpu_kernels.PACKED_ROWS)
     ]
     if lib.packed_isa == "amx":
-        return (lib, (0, 0)) if agrees(0, [x[:1], *many]) else None
+        # NOTE: 1, 5 and 21 rows only: over a 4864-input weight oneDNN's AMX product of 33 or 64 rows
+        # rounds a row otherwise than its product of that row alone; this kernel gives the latter.
+        return (lib, (0, 0)) if agrees(0, [x[:1], *many[:2]]) else None
     singles = [x[i : i + 1] for i in range(min(wanted, _PROBE_SINGLES))]
     one = next(
         (c for c in _VEC_CHUNKS if agrees(c, singles[:1]) and agrees(c, singles[1:], join=False)), None
