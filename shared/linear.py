@@ -252,11 +252,11 @@ def _packed_kernels(
     and the partial-sum lengths (``cpu_packed.c``'s ``chunk``) for one row and for more; else None.
 
     Checked on probe rows, with the residual joined or not: alone, five and 21 at a time, and on
-    AVX512-BF16 then in batches of up to 64 until ~2**15 outputs were compared. AMX has one order. On AVX512-BF16,
-    oneDNN's kernel sums the input pairs in partial sums whose length depends on the weight's
-    inputs and on whether there is more than one row (on a 2-core AMD EPYC: 256 pairs for 896
-    inputs; for 4864, 256 for one row and 512 for more): the probe tries the likely lengths and
-    keeps the first that gives oneDNN's bits.
+    AVX512-BF16 then in batches of up to 64 until ~2**15 outputs were compared. AMX has one
+    order. On AVX512-BF16, oneDNN's kernel sums the input pairs in partial sums whose length
+    depends on the weight's inputs and on whether there is more than one row (on a 2-core AMD
+    EPYC: 256 pairs for 896 inputs; for 4864, 256 for one row and 512 for more): the probe tries
+    the likely lengths and keeps the first that gives oneDNN's bits.
     """
     lib = cpu_kernels.kernels()
     n, k = weight.shape
