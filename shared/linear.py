@@ -69,7 +69,7 @@ _HAS_ONEDNN = _HAS_PRODUCT and _HAS_BINARY
 _HALF_PRODUCT, _HAS_HALF = _overload("quantized", "linear_dynamic_fp16")
 _PACKED_ADDRESS, _HAS_ADDRESS = _overload("mkldnn", "data_ptr")
 _PACKED_BYTES, _HAS_BYTES = _overload("mkldnn", "_nbytes")
-_PACKED_BLOCK, _PACKED_CHUNK = 64, 32  # the packed layout's output block and an AMX tile's inputs
+_PACKED_BLOCK, _PACKED_K_STEP = 64, 32  # the packed layout's output block and an AMX tile's inputs
 _PACKED_PROBE_ROWS = 21  # more than a pass takes (16 rows on AMX, 6 on AVX512-BF16): a second pass too
 _VEC_CHUNKS = (256, 512, 128, 0)  # AVX512-BF16: oneDNN's partial-sum lengths (input pairs) to try
 _PROBE_VALUES = 1 << 15  # outputs the packed kernel's probe compares with oneDNN's, at most
@@ -166,6 +166,14 @@ class Projection:
         cpu_kernels.rest_helpers()
         return False
 
+    def _packed(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``cpu_packed.c``'s product (rows :meth:`_few_rows` let through), in oneDNN's order for
+        one row or for more."""
+        assert self.kernels is not None
+        chunk = self.packed_chunks[x.shape[0] > 1]
+        n = self.out_features
+        return cpu_kernels.packed_product(self.kernels, x, self.packed_address, n, self.bias, residual, chunk)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind != "fp16" or not self.half_scale:
             return self.prescaled(x)
@@ -181,15 +189,7 @@ class Projection:
         float32's subnormals), so the sums equal those of the unscaled input and scaled output.
         """
         if self._few_rows(x):
-            assert self.kernels is not None
-            return cpu_kernels.packed_product(
-                self.kernels,
-                x,
-                self.packed_address,
-                self.out_features,
-                self.bias,
-                chunk=self.packed_chunks[x.shape[0] > 1],
-            )
+            return self._packed(x)
         if self.kind == "onednn":
             return _ONEDNN_PRODUCT(x, self.weight, self.bias, "none", [], "")
         if self.kind == "fp16":
@@ -206,17 +206,7 @@ class Projection:
         """
         if self.kind == "onednn" and residual.is_contiguous():
             if self._few_rows(x):
-                assert self.kernels is not None
-                n = self.out_features
-                return cpu_kernels.packed_product(
-                    self.kernels,
-                    x,
-                    self.packed_address,
-                    n,
-                    self.bias,
-                    residual,
-                    self.packed_chunks[x.shape[0] > 1],
-                )
+                return self._packed(x, residual)
             return _ONEDNN_BINARY(x, residual, self.weight, self.bias, "add")
         cpu_kernels.rest_helpers()
         if self.kind != "fp16" or self.bias is not None:
@@ -265,7 +255,7 @@ def _packed_kernels(
         or not lib.packed_isa
         or not (_HAS_ADDRESS and _HAS_BYTES)
         or n % _PACKED_BLOCK
-        or k % _PACKED_CHUNK
+        or k % _PACKED_K_STEP
     ):
         return None
     if bias is not None and not (bias.is_contiguous() and bias.dtype == torch.bfloat16):
@@ -274,9 +264,14 @@ def _packed_kernels(
         return None
     if not lib.start_helpers():
         return None
-    # NOTE: a wrong order shows in about one output in 5000, so the probe compares ~2**15 of them:
-    # more rows for a weight with few outputs (cheap: such a weight is small).
-    wanted = min(_PROBE_MAX_ROWS, max(_PACKED_PROBE_ROWS, -(-_PROBE_VALUES // n)))
+    # NOTE: on AVX512-BF16 a wrong order shows in about one output in 5000, so the probe compares
+    # ~2**15 of them: more rows for a weight with few outputs (cheap: such a weight is small).
+    # NOTE: on AMX 1, 5 and 21 rows only: over a 4864-input weight oneDNN's AMX product of 33 or 64
+    # rows rounds a row otherwise than its product of that row alone; this kernel gives the latter.
+    tiles = lib.packed_isa == "amx"
+    wanted = (
+        _PACKED_PROBE_ROWS if tiles else min(_PROBE_MAX_ROWS, max(_PACKED_PROBE_ROWS, -(-_PROBE_VALUES // n)))
+    )
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(wanted, k, generator=gen).to(weight.dtype)
     residual = torch.randn(wanted, n, generator=gen).to(weight.dtype)
@@ -298,10 +293,8 @@ def _packed_kernels(
     many += [
         x[i : i + cpu_kernels.PACKED_ROWS] for i in range(_PACKED_PROBE_ROWS, wanted, cpu_kernels.PACKED_ROWS)
     ]
-    if lib.packed_isa == "amx":
-        # NOTE: 1, 5 and 21 rows only: over a 4864-input weight oneDNN's AMX product of 33 or 64 rows
-        # rounds a row otherwise than its product of that row alone; this kernel gives the latter.
-        return (lib, (0, 0)) if agrees(0, [x[:1], *many[:2]]) else None
+    if tiles:
+        return (lib, (0, 0)) if agrees(0, [x[:1], *many]) else None
     singles = [x[i : i + 1] for i in range(min(wanted, _PROBE_SINGLES))]
     one = next(
         (c for c in _VEC_CHUNKS if agrees(c, singles[:1]) and agrees(c, singles[1:], join=False)), None
