@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mmcache.llm_stage.attention import AttentionBackend, SdpaBackend
 from mmcache.llm_stage.block_manager import BlockCopy
+from mmcache.llm_stage.cpu_decode import CpuDecode
 from mmcache.llm_stage.kv_cache import KVCache
 from mmcache.llm_stage.prompt_logprobs import Scored, score
 from mmcache.llm_stage.scheduler import StepItem
@@ -53,6 +54,8 @@ class ModelRunner:
         # on a CPU and the kernels built (:mod:`mmcache.shared.cpu_kernels`); else eager PyTorch.
         self.kernels = cpu_kernels.usable(kv.kv, lm.head_norm)
         self.fused_silu = self.kernels is not None and lm.config.hidden_act == "silu"
+        # a decode-only step's layers in one C call, where they qualify (llm_stage/cpu_decode.py)
+        self.cpu_decode = CpuDecode.build(lm, kv, self.attention)
 
     def copy_block_start(self, copy: BlockCopy) -> None:
         """Copy the K/V of a shared block start into the sequence's own block."""
@@ -85,10 +88,17 @@ class ModelRunner:
             visual.place(hidden)
         rope = self._rope(hidden, items)
         plan = self.attention.plan(items)
-        for idx, weights in enumerate(self.lm.fused):
-            hidden = self._layer(idx, weights, hidden, rope, plan)
-            if visual is not None:
-                visual.add_deepstack(hidden, idx)
+        if visual is None and self.cpu_decode is not None and self.cpu_decode.takes(hidden, plan):
+
+            def loop_layer(idx: int, h: torch.Tensor) -> torch.Tensor:
+                return self._layer(idx, self.lm.fused[idx], h, rope, plan)
+
+            hidden = self.cpu_decode.run(hidden, rope, plan, loop_layer)
+        else:
+            for idx, weights in enumerate(self.lm.fused):
+                hidden = self._layer(idx, weights, hidden, rope, plan)
+                if visual is not None:
+                    visual.add_deepstack(hidden, idx)
         scored = self._score(items, rows, hidden)
         if not last_rows:
             return hidden.new_empty((0, self.lm.vocab_size), dtype=torch.float32), scored

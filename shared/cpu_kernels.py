@@ -36,8 +36,11 @@ import torch
 log = logging.getLogger(__name__)
 
 # The small operators, the few-row weight product (``cpu_packed.c``, used by shared/linear.py),
-# and the helper threads both share (``cpu_pool.c``).
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_packed.c", "cpu_pool.c")]
+# the helper threads both share (``cpu_pool.c``), and a decode step's layers built of them
+# (``cpu_layers.c``, used by shared/cpu_layers.py).
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_packed.c", "cpu_pool.c", "cpu_layers.c")
+]
 HEADERS = [Path(__file__).with_name("cpu_pool.h")]
 FLAGS = [
     "-O3",
@@ -64,6 +67,7 @@ _SIGNATURES = {
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+    "mm_decode_layers": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
 }
 
 
@@ -125,6 +129,9 @@ class Kernels:
         self.decode_attention = lib.mm_decode_attention
         self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
         self.packed_product = lib.mm_packed_product
+        self.decode_layers = lib.mm_decode_layers  # cpu_layers.c
+        lib.mm_decode_scratch.argtypes, lib.mm_decode_scratch.restype = [_ptr, _i64], _i64
+        self.decode_scratch = lib.mm_decode_scratch
         lib.mm_packed_isa.restype = lib.mm_pool_start.restype = ctypes.c_int
         lib.mm_pool_start.argtypes = [_i64]
         lib.mm_pool_rest.argtypes, lib.mm_pool_rest.restype = [], None

@@ -38,7 +38,6 @@ typedef struct {
 
 #define LANES 16   /* float32 sums a register holds */
 #define VEC_ROWS 6 /* rows one AVX512-BF16 pass takes: 24 sums + 4 weights + 1 input in 32 registers */
-#define AHEAD 1024 /* bytes ahead of the weight stream the AVX512-BF16 pass prefetches */
 
 static inline __m512 widen16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
@@ -52,12 +51,13 @@ static inline void finish16(const product_t *j, int64_t row, int64_t b, int i, _
     _mm256_storeu_si256((void *)(j->out + at), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-/* sums[r] += input pairs c0 .. c1 of row r times the block's weights wb, in order. */
+/* sums[r] += input pairs c0 .. c1 of row r times the block's weights wb, in order. The weights stream
+ * with no software prefetch: on the AMD EPYC (Zen 4) the hardware prefetchers alone took 96 `mid`
+ * decode products ~6% faster than prefetching 0.5-4 KiB ahead, at the machine's plain read rate. */
 static inline __attribute__((always_inline)) void vec_pairs(const bf16 *wb, const bf16 *x, int64_t x_stride,
                                                             int64_t c0, int64_t c1, const int R, __m512 sums[][4]) {
     for (int64_t p = c0; p < c1; p++) {
         const bf16 *wp = wb + p * 2 * BLOCK;
-        for (int line = 0; line < 4 * 64; line += 64) _mm_prefetch((const char *)wp + AHEAD + line, _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
         for (int r = 0; r < R; r++) {

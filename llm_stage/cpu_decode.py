@@ -1,0 +1,122 @@
+"""The decode-only step's layers as one C call on a CPU (:mod:`mmcache.shared.cpu_layers`).
+
+:meth:`CpuDecode.run` takes the place of :class:`~mmcache.llm_stage.model_runner.ModelRunner`'s
+layer loop for a step whose rows each decode one token (no prefill chunk, no media rows) and that
+fits the packed kernel's rows. A layer qualifies when each of its four projections is packed for
+``cpu_packed.c``, its MLP is dense SiLU and it has no q/k norms; runs of qualifying layers go to C,
+any other layer to the Python layer (so a layer whose weight the load-time probe kept on oneDNN
+costs only itself). Same operators, same order: the same bits as the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mmcache.llm_stage.attention import SdpaBackend, SdpaPlan
+from mmcache.llm_stage.kv_cache import KVCache
+from mmcache.llm_stage.text_model import LayerWeights, TextLM
+from mmcache.shared import cpu_kernels
+from mmcache.shared.cpu_layers import DecodeLayers, DecodeRows, StackShape
+from mmcache.shared.cpu_layers import LayerWeights as CLayer
+from mmcache.shared.linear import Projection
+
+# (first, last, in C): consecutive layers that run the same way
+_Runs = list[tuple[int, int, bool]]
+_Layer = Callable[[int, torch.Tensor], torch.Tensor]
+_Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def _fits(w: LayerWeights, silu: bool) -> bool:
+    packed = all(p is not None and p.kernels for p in (w.qkv, w.o, w.gate_up, w.down))
+    return silu and packed and w.qk_norm is None and w.moe is None
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuDecode:
+    def __init__(self, layers: DecodeLayers, runs: _Runs):
+        self.layers = layers
+        self.runs = runs
+
+    @classmethod
+    def build(cls, lm: TextLM, kv: KVCache, attention: object) -> CpuDecode | None:
+        """None where no layer qualifies, or the step's attention or dtype is not the kernels'."""
+        lib = cpu_kernels.usable(kv.kv, lm.head_norm)
+        if lib is None or not isinstance(attention, SdpaBackend) or attention.kernels is None:
+            return None
+        silu = lm.config.hidden_act == "silu"
+        fits = [_fits(w, silu) for w in lm.fused]
+        if not any(fits):
+            return None
+        structs, keep = [], []
+        for idx, w in enumerate(lm.fused):
+            if not fits[idx]:
+                structs.append(CLayer())
+                continue
+            projections: list[Projection] = [w.qkv, w.o, w.gate_up, w.down]  # type: ignore[list-item]
+            norms = [w.input_norm.contiguous(), w.post_norm.contiguous()]
+            bias = w.qkv.bias.contiguous() if w.qkv.bias is not None else None
+            cache = kv.kv[idx]
+            assert cache.is_contiguous()
+            keep += [*norms, cache] + ([bias] if bias is not None else [])
+            structs.append(
+                CLayer(
+                    norms[0].data_ptr(),
+                    norms[1].data_ptr(),
+                    w.qkv.packed_address,
+                    _address(bias),
+                    w.o.packed_address,
+                    projections[2].packed_address,
+                    projections[3].packed_address,
+                    cache.data_ptr(),
+                    tuple(tuple(p.packed_chunks) for p in projections),
+                )
+            )
+        gate_up = lm.fused[fits.index(True)].gate_up
+        assert gate_up is not None
+        shape = StackShape(
+            lm.config.hidden_size,
+            lm.num_heads,
+            lm.num_kv_heads,
+            lm.head_dim,
+            gate_up.out_features // 2,
+            kv.block_size,
+            lm.fused[0].eps,
+            lm.scaling,
+        )
+        runs: _Runs = []
+        for idx, fit in enumerate(fits):
+            if runs and runs[-1][2] == fit:
+                runs[-1] = (runs[-1][0], idx + 1, fit)
+            else:
+                runs.append((idx, idx + 1, fit))
+        return cls(DecodeLayers(lib, shape, structs, keep), runs)
+
+    def takes(self, hidden: torch.Tensor, plan: SdpaPlan) -> bool:
+        """Whether this step is one it runs: decodes only, as many rows as the packed kernel takes."""
+        return not plan.prefills and 0 < hidden.shape[0] <= cpu_kernels.PACKED_ROWS and hidden.is_contiguous()
+
+    def run(self, hidden: torch.Tensor, rope: _Rope, plan: SdpaPlan, layer: _Layer) -> torch.Tensor:
+        """Every layer on ``hidden`` (rows, hidden): the qualifying ones in C (in place), the
+        others through ``layer(idx, hidden)``; returns the last layer's output."""
+        n = hidden.shape[0]
+        assert plan.decode_blocks is not None and plan.decode_ends is not None
+        rows = DecodeRows(
+            rope[0].reshape(n, -1).contiguous(),
+            rope[1].reshape(n, -1).contiguous(),
+            plan.new_slots,
+            plan.decode_blocks,
+            plan.decode_ends,
+        )
+        for first, last, in_c in self.runs:
+            if in_c:
+                hidden = hidden.contiguous()  # in place: the loop's layers return new tensors
+                self.layers.run(first, last, hidden, rows)
+            else:
+                for idx in range(first, last):
+                    hidden = layer(idx, hidden)
+        return hidden

@@ -1,0 +1,76 @@
+/* A decode step's decoder layers in one call (shared/cpu_layers.py).
+ *
+ * The layer of llm_stage/model_runner.py, operator for operator: the same compiled functions
+ * (cpu_kernels.c's norm, rotation, attention and SiLU, cpu_packed.c's products) on the same
+ * inputs, so the result is the Python loop's bit for bit. Only the ~10 calls a layer from
+ * Python go: on the `mid` checkpoint (24 layers) ~240 ctypes calls and tensor allocations, ~2 ms
+ * of a ~22 ms decode step on the AMD EPYC, during which the kernels' helper threads idle.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+/* cpu_kernels.c */
+void mm_rms_norm(const bf16 *x, int64_t x_stride, const bf16 *weight, bf16 *out, int64_t rows, int64_t dim,
+                 float eps);
+void mm_rotate(bf16 *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim, const bf16 *cos,
+               const bf16 *folded_sin);
+void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows, int64_t width);
+void mm_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *cache, int64_t block_size,
+                         const int64_t *tables, int64_t width, const int64_t *lengths, bf16 *out, int64_t batch,
+                         int64_t heads, int64_t kv_heads, int64_t head_dim, float scale);
+/* cpu_packed.c */
+void mm_packed_product(const bf16 *x, int64_t x_stride, int64_t rows, const bf16 *w, int64_t n, int64_t k,
+                       const bf16 *bias, const bf16 *residual, bf16 *out, int64_t chunk);
+
+/* One layer's weights: norms (their projection's input scale folded in), packed projections
+ * (cpu_packed.c's layout), and its K/V cache. */
+typedef struct {
+    const bf16 *input_norm, *post_norm;
+    const bf16 *qkv, *qkv_bias, *o, *gate_up, *down;
+    bf16 *cache;          /* (slots, 2 * kv_heads, head_dim): a slot's keys, then its values */
+    int64_t chunks[4][2]; /* partial-sum lengths of qkv, o, gate_up, down: one row, more rows */
+} mm_layer_t;
+
+/* The stack's shape. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+} mm_stack_t;
+
+/* Bfloat16 values of scratch decode_layers needs for `rows` rows. */
+int64_t mm_decode_scratch(const mm_stack_t *s, int64_t rows) {
+    return rows * (s->hidden + (s->heads + 2 * s->kv_heads) * s->head_dim + s->heads * s->head_dim +
+                   3 * s->intermediate);
+}
+
+/* Layers first .. last of `rows` single-token decodes, `hidden` (rows, hidden) updated in place.
+ * cos, folded_sin: (rows, head_dim) rotary tables (model_runner.fold_sin); slots: (rows,) cache
+ * slot of each row's token; tables (rows, width) block ids and lengths (rows,): what each row
+ * attends over (mm_decode_attention). */
+void mm_decode_layers(const mm_stack_t *s, const mm_layer_t *layers, int64_t first, int64_t last, bf16 *hidden,
+                      int64_t rows, const bf16 *cos, const bf16 *folded_sin, const int64_t *slots,
+                      const int64_t *tables, int64_t width, const int64_t *lengths, bf16 *scratch) {
+    const int64_t h = s->hidden, attn_n = s->heads * s->head_dim, kv_n = 2 * s->kv_heads * s->head_dim;
+    const int64_t qkv_n = attn_n + kv_n, inter = s->intermediate;
+    const int many = rows > 1;
+    bf16 *x = scratch, *qkv = x + rows * h, *attn = qkv + rows * qkv_n, *gate_up = attn + rows * attn_n;
+    bf16 *act = gate_up + rows * 2 * inter;
+    for (int64_t l = first; l < last; l++) {
+        const mm_layer_t *w = layers + l;
+        mm_rms_norm(hidden, h, w->input_norm, x, rows, h, s->eps);
+        mm_packed_product(x, h, rows, w->qkv, qkv_n, h, w->qkv_bias, NULL, qkv, w->chunks[0][many]);
+        mm_rotate(qkv, qkv_n, rows, s->heads + s->kv_heads, s->head_dim, cos, folded_sin);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(w->cache + slots[r] * kv_n, qkv + r * qkv_n + attn_n, (size_t)kv_n * sizeof(bf16));
+        mm_decode_attention(qkv, qkv_n, w->cache, s->block_size, tables, width, lengths, attn, rows, s->heads,
+                            s->kv_heads, s->head_dim, s->scale);
+        /* the residual joins the sums inside the product: hidden is read, then written, per output */
+        mm_packed_product(attn, attn_n, rows, w->o, h, attn_n, NULL, hidden, hidden, w->chunks[1][many]);
+        mm_rms_norm(hidden, h, w->post_norm, x, rows, h, s->eps);
+        mm_packed_product(x, h, rows, w->gate_up, 2 * inter, h, NULL, NULL, gate_up, w->chunks[2][many]);
+        mm_silu_mul(gate_up, act, rows, inter);
+        mm_packed_product(act, inter, rows, w->down, h, inter, NULL, hidden, hidden, w->chunks[3][many]);
+    }
+}
