@@ -179,6 +179,24 @@ void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows,
     }
 }
 
+/* Softmax of one query's scores in place. */
+static void softmax_(float *s, int64_t length) {
+    float top[LANES];
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+    int64_t t = 0;
+    for (; t + LANES <= length; t += LANES)
+        for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];
+    for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);
+    lanes_t sums = {0};
+    for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);
+    for (; t < length; t++) sums[t % LANES] += s[t];
+    float total = fold(sums);
+    for (t = 0; t < length; t++) s[t] /= total;
+}
+
 /* One query token of each of `batch` sequences attending over its cached keys and values, for a
  * cache of bfloat16 (mm_decode_attention) or of float32 (mm_decode_attention_f32; q and out too).
  *
@@ -213,22 +231,7 @@ static inline void NAME(const T *restrict q, const T *restrict cache, int64_t bl
         for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(k[d]);                                                     \
         for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(query + j * head_dim, row, head_dim) * scale;  \
     }                                                                                                                   \
-    for (int64_t j = 0; j < group; j++) { /* softmax of each query's scores */                                          \
-        float *s = scores + j * length, top[LANES];                                                                     \
-        for (int l = 0; l < LANES; l++) top[l] = -INFINITY;                                                             \
-        int64_t t = 0;                                                                                                  \
-        for (; t + LANES <= length; t += LANES)                                                                         \
-            for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];                             \
-        for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];                         \
-        float most = top[0];                                                                                            \
-        for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;                                           \
-        for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);                                                    \
-        lanes_t sums = {0};                                                                                             \
-        for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);                                         \
-        for (; t < length; t++) sums[t % LANES] += s[t];                                                                \
-        float total = fold(sums);                                                                                       \
-        for (t = 0; t < length; t++) s[t] /= total;                                                                     \
-    }                                                                                                                   \
+    for (int64_t j = 0; j < group; j++) softmax_(scores + j * length, length);                                         \
     for (int64_t t = 0; t < length; t++) { /* one value into every query's sum */                                       \
         const T *v = cache + (table[t / block_size] * block_size + t % block_size) * slot + (kv_heads + g) * head_dim;  \
         for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(v[d]);                                                     \
@@ -240,6 +243,127 @@ static inline void NAME(const T *restrict q, const T *restrict cache, int64_t bl
     }                                                                                                                   \
     for (int64_t j = 0; j < group * head_dim; j++) out[j] = STORE(acc[j]);                                              \
     free(scores);                                                                                                       \
+}
+
+static inline float same(float v) { return v; }
+
+DEFINE_ATTEND_HEAD(attend_head, bf16, widen, narrow)
+DEFINE_ATTEND_HEAD(attend_head_f32, float, same, same)
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* 16 bfloat16 values as float32 (exact). */
+static inline __m512 widen16(const bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+
+#define SCORE_HEADS 4 /* query heads one pass over the keys scores: 4 x head_dim/32 query registers */
+#define VALUE_HEADS 8 /* query heads one pass over a 32-wide slice of the values sums: 16 registers */
+
+/* Scores of query heads j0 .. j0 + H against every key: VDPBF16PS over bfloat16 pairs (each product
+ * exact in float32, summed in float32), head_dim / 32 registers a key. */
+static inline __attribute__((always_inline)) void vec_scores(const bf16 *q, const bf16 *cache, int64_t block_size,
+                                                             const int64_t *table, int64_t length, int64_t slot,
+                                                             int64_t key, const int64_t head_dim, float scale,
+                                                             float *scores, int64_t j0, const int H) {
+    __m512bh qv[SCORE_HEADS][8];
+    for (int j = 0; j < H; j++)
+        for (int64_t i = 0; i < head_dim / 32; i++)
+            qv[j][i] = (__m512bh)_mm512_loadu_si512(q + (j0 + j) * head_dim + i * 32);
+    for (int64_t t = 0; t < length; t++) {
+        const bf16 *k = cache + (table[t / block_size] * block_size + t % block_size) * slot + key;
+        if (j0 == 0 && t + AHEAD < length) { /* the cache is cold in a step: the key AHEAD tokens on */
+            int64_t next = t + AHEAD;
+            const bf16 *ahead = cache + (table[next / block_size] * block_size + next % block_size) * slot + key;
+            for (int64_t line = 0; line < head_dim * 2; line += 64)
+                _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        }
+        __m512 acc[SCORE_HEADS];
+        for (int j = 0; j < H; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < head_dim / 32; i++) {
+            const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + i * 32);
+            for (int j = 0; j < H; j++) acc[j] = _mm512_dpbf16_ps(acc[j], qv[j][i], kv);
+        }
+        for (int j = 0; j < H; j++) scores[(j0 + j) * length + t] = _mm512_reduce_add_ps(acc[j]) * scale;
+    }
+}
+
+/* acc[j, d0 .. d0 + 32] = sum over t of p[j, t] * value[t, d0 .. d0 + 32] for heads j0 .. j0 + H,
+ * float32 fused multiply-adds in token order. */
+static inline __attribute__((always_inline)) void vec_values(const float *p, const bf16 *cache, int64_t block_size,
+                                                             const int64_t *table, int64_t length, int64_t slot,
+                                                             int64_t value, int64_t head_dim, float *acc, int64_t j0,
+                                                             int64_t d0, const int H) {
+    __m512 sums[VALUE_HEADS][2];
+    for (int j = 0; j < H; j++) sums[j][0] = sums[j][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < length; t++) {
+        const bf16 *v = cache + (table[t / block_size] * block_size + t % block_size) * slot + value + d0;
+        const __m512 v0 = widen16(v), v1 = widen16(v + 16);
+        for (int j = 0; j < H; j++) {
+            const __m512 w = _mm512_set1_ps(p[(j0 + j) * length + t]);
+            sums[j][0] = _mm512_fmadd_ps(w, v0, sums[j][0]);
+            sums[j][1] = _mm512_fmadd_ps(w, v1, sums[j][1]);
+        }
+    }
+    for (int j = 0; j < H; j++) {
+        _mm512_storeu_ps(acc + (j0 + j) * head_dim + d0, sums[j][0]);
+        _mm512_storeu_ps(acc + (j0 + j) * head_dim + d0 + 16, sums[j][1]);
+    }
+}
+
+/* attend_head on a bfloat16 cache with AVX512-BF16, head_dim a multiple of 32 up to 256: the keys
+ * read once per SCORE_HEADS query heads, the values once per VALUE_HEADS heads and 32-wide slice,
+ * the sums in registers (the generic loop keeps the group's in memory: ~2.5x slower). */
+static inline __attribute__((always_inline)) void attend_head_vec(const bf16 *restrict q, const bf16 *restrict cache,
+                                                                  int64_t block_size, const int64_t *restrict table,
+                                                                  int64_t length, bf16 *restrict out, int64_t group,
+                                                                  int64_t kv_heads, int64_t g, const int64_t head_dim,
+                                                                  float scale) {
+    const int64_t slot = 2 * kv_heads * head_dim, key = g * head_dim, value = (kv_heads + g) * head_dim;
+    float *scores = malloc(sizeof(float) * (size_t)(group * length + group * head_dim));
+    float *acc = scores + group * length;
+    for (int64_t j0 = 0; j0 < group; j0 += SCORE_HEADS) {
+        switch (group - j0 < SCORE_HEADS ? group - j0 : SCORE_HEADS) {
+        case 1: vec_scores(q, cache, block_size, table, length, slot, key, head_dim, scale, scores, j0, 1); break;
+        case 2: vec_scores(q, cache, block_size, table, length, slot, key, head_dim, scale, scores, j0, 2); break;
+        case 3: vec_scores(q, cache, block_size, table, length, slot, key, head_dim, scale, scores, j0, 3); break;
+        default: vec_scores(q, cache, block_size, table, length, slot, key, head_dim, scale, scores, j0, 4); break;
+        }
+    }
+    for (int64_t j = 0; j < group; j++) softmax_(scores + j * length, length);
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32)
+        for (int64_t j0 = 0; j0 < group; j0 += VALUE_HEADS) {
+#define VALUES(H) vec_values(scores, cache, block_size, table, length, slot, value, head_dim, acc, j0, d0, H)
+            switch (group - j0 < VALUE_HEADS ? group - j0 : VALUE_HEADS) {
+            case 1: VALUES(1); break;
+            case 2: VALUES(2); break;
+            case 3: VALUES(3); break;
+            case 4: VALUES(4); break;
+            case 5: VALUES(5); break;
+            case 6: VALUES(6); break;
+            case 7: VALUES(7); break;
+            default: VALUES(8); break;
+            }
+#undef VALUES
+        }
+    for (int64_t j = 0; j < group * head_dim; j++) out[j] = narrow(acc[j]);
+    free(scores);
+}
+#endif
+
+/* A bfloat16 cache: attend_head_vec where the CPU and head_dim allow, else attend_head. */
+static inline __attribute__((always_inline)) void attend_head_bf16(const bf16 *q, const bf16 *cache, int64_t block_size,
+                                                                   const int64_t *table, int64_t length, bf16 *out,
+                                                                   int64_t group, int64_t kv_heads, int64_t g,
+                                                                   const int64_t head_dim, float scale) {
+#if defined(__AVX512BF16__)
+    if (head_dim % 32 == 0 && head_dim <= 256) {
+        attend_head_vec(q, cache, block_size, table, length, out, group, kv_heads, g, head_dim, scale);
+        return;
+    }
+#endif
+    attend_head(q, cache, block_size, table, length, out, group, kv_heads, g, head_dim, scale);
 }
 
 typedef struct {
@@ -281,9 +405,6 @@ _Pragma("omp parallel for schedule(static) if (tasks * longest * head_dim >= PAR
     for (int64_t task = 0; task < tasks; task++) NAME##_task(&a, task);                                          \
 }
 
-static inline float same(float v) { return v; }
 
-DEFINE_ATTEND_HEAD(attend_head, bf16, widen, narrow)
-DEFINE_ATTEND_HEAD(attend_head_f32, float, same, same)
-DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head)
+DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head_bf16)
 DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
