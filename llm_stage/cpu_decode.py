@@ -28,16 +28,27 @@ _Layer = Callable[[int, torch.Tensor], torch.Tensor]
 _Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-def _fits(w: LayerWeights, silu: bool) -> bool:
-    packed = all(p is not None and p.kernels for p in (w.qkv, w.o, w.gate_up, w.down))
-    return silu and packed and w.qk_norm is None and w.moe is None
-
-
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _fits(w: LayerWeights, shape: StackShape, eps: float, silu: bool) -> bool:
+    """Whether ``cpu_layers.c`` computes layer ``w`` as the loop does: its operators, and the
+    shapes and norm epsilon ``eps`` that ``shape`` gives every layer."""
+    projections = (w.qkv, w.o, w.gate_up, w.down)
+    if not silu or w.qk_norm is not None or w.moe is not None or w.eps != eps:
+        return False
+    if not all(p is not None and p.kernels for p in projections):
+        return False
+    attn = shape.heads * shape.head_dim
+    want = [
+        (attn + 2 * shape.kv_heads * shape.head_dim, shape.hidden),
+        (shape.hidden, attn),
+        (2 * shape.intermediate, shape.hidden),
+        (shape.hidden, shape.intermediate),
+    ]
+    return [(p.out_features, p.in_features) for p in projections if p is not None] == want
 
 
 class CpuDecode:
+    """Runs of layers ``cpu_layers.c`` computes, the others left to the Python loop."""
+
     def __init__(self, layers: DecodeLayers, runs: _Runs):
         self.layers = layers
         self.runs = runs
@@ -49,7 +60,20 @@ class CpuDecode:
         if lib is None or not isinstance(attention, SdpaBackend) or attention.kernels is None:
             return None
         silu = lm.config.hidden_act == "silu"
-        fits = [_fits(w, silu) for w in lm.fused]
+        dense = next((w for w in lm.fused if w.gate_up is not None), None)
+        if dense is None:
+            return None
+        shape = StackShape(
+            lm.config.hidden_size,
+            lm.num_heads,
+            lm.num_kv_heads,
+            lm.head_dim,
+            dense.gate_up.out_features // 2,  # type: ignore[union-attr]
+            kv.block_size,
+            dense.eps,
+            lm.scaling,
+        )
+        fits = [_fits(w, shape, dense.eps, silu) for w in lm.fused]
         if not any(fits):
             return None
         structs, keep = [], []
@@ -68,7 +92,7 @@ class CpuDecode:
                     norms[0].data_ptr(),
                     norms[1].data_ptr(),
                     w.qkv.packed_address,
-                    _address(bias),
+                    None if bias is None else bias.data_ptr(),
                     w.o.packed_address,
                     projections[2].packed_address,
                     projections[3].packed_address,
@@ -76,18 +100,6 @@ class CpuDecode:
                     tuple(tuple(p.packed_chunks) for p in projections),
                 )
             )
-        gate_up = lm.fused[fits.index(True)].gate_up
-        assert gate_up is not None
-        shape = StackShape(
-            lm.config.hidden_size,
-            lm.num_heads,
-            lm.num_kv_heads,
-            lm.head_dim,
-            gate_up.out_features // 2,
-            kv.block_size,
-            lm.fused[0].eps,
-            lm.scaling,
-        )
         runs: _Runs = []
         for idx, fit in enumerate(fits):
             if runs and runs[-1][2] == fit:

@@ -87,3 +87,12 @@ def test_layers_with_qk_norms_stay_in_the_loop(tiny_models) -> None:
     engine = make_engine(qwen3, dtype="bfloat16")
     assert engine.runner.kernels is not None and engine.runner.cpu_decode is None
     assert CpuDecode.build(engine.lm, engine.kv, engine.runner.attention) is None
+
+
+def test_a_layer_whose_projection_stayed_on_onednn_runs_in_the_loop(env: Env) -> None:
+    """The load-time probe may keep a weight on oneDNN (no packed kernel): that layer alone leaves C."""
+    engine = make_engine(env, dtype="bfloat16")
+    layers = len(engine.lm.fused)
+    engine.lm.fused[1].o.kernels = None
+    built = CpuDecode.build(engine.lm, engine.kv, engine.runner.attention)
+    assert built is not None and built.runs == [(0, 1, True), (1, 2, False), (2, layers, True)]
