@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +164,11 @@ def test_a_missing_compiler_leaves_eager_pytorch_with_a_warning(tmp_path) -> Non
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "None"
     assert "eager PyTorch" in run.stderr
+
+
+def test_every_kernel_source_ships_with_the_package() -> None:
+    """A wheel carries only the package data pyproject.toml lists: a source or header missing there
+    compiles nowhere but in a checkout."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    listed = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]
+    assert {p.name for p in cpu_kernels.SOURCES + cpu_kernels.HEADERS} <= set(listed["mmcache.shared"])
