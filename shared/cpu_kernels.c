@@ -18,9 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_ops.h"
 #include "cpu_pool.h"
-
-typedef uint16_t bf16;
 
 #define LANES 16
 #define PARALLEL_VALUES (1 << 16) /* below this many values a loop stays on the calling thread */
@@ -251,13 +250,6 @@ DEFINE_ATTEND_HEAD(attend_head, bf16, widen, narrow)
 DEFINE_ATTEND_HEAD(attend_head_f32, float, same, same)
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
-
-/* 16 bfloat16 values as float32 (exact). */
-static inline __m512 widen16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
-
 #define SCORE_HEADS 4 /* query heads one pass over the keys scores: 4 x head_dim/32 query registers */
 #define VALUE_HEADS 8 /* query heads one pass over a 32-wide slice of the values sums: 16 registers */
 
@@ -404,7 +396,6 @@ void NAME(const T *q, int64_t q_stride, const T *cache, int64_t block_size,     
 _Pragma("omp parallel for schedule(static) if (tasks * longest * head_dim >= PARALLEL_VALUES * 16)")             \
     for (int64_t task = 0; task < tasks; task++) NAME##_task(&a, task);                                          \
 }
-
 
 DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head_bf16)
 DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)

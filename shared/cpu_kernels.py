@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_packed.c", "cpu_pool.c", "cpu_layers.c")
 ]
-HEADERS = [Path(__file__).with_name("cpu_pool.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_ops.h")]
 FLAGS = [
     "-O3",
     "-march=native",

@@ -20,9 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_ops.h"
 #include "cpu_pool.h"
-
-typedef uint16_t bf16;
 
 #define BLOCK 64 /* outputs a block holds: four registers (or tiles) of 16 float32 columns */
 
@@ -38,10 +37,6 @@ typedef struct {
 
 #define LANES 16   /* float32 sums a register holds */
 #define VEC_ROWS 6 /* rows one AVX512-BF16 pass takes: 24 sums + 4 weights + 1 input in 32 registers */
-
-static inline __m512 widen16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
 
 /* out[row, 16 outputs of block b from i] = round(sums + bias + residual), added in float32. */
 static inline void finish16(const product_t *j, int64_t row, int64_t b, int i, __m512 v) {
