@@ -3,9 +3,12 @@
 The model runner computes q, k and v for every row of a step and hands them to
 an :class:`AttentionBackend`: the backend plans once per step how attention
 reads the cache (the same for every layer), writes the step's K/V into their
-slots, and attends. :class:`SdpaBackend` is the one backend today: PyTorch's
-scaled-dot-product attention over K/V gathered from the blocks for prefill
-chunks, and two float32 matrix products around a softmax for single-token decodes
+slots, and attends. :class:`SdpaBackend` is the CPU backend (and the GPU fallback):
+on a CPU with the compiled kernels (:mod:`mmcache.shared.cpu_kernels`), one C call
+a layer for a prefill chunk (reading the blocks through the sequence's table:
+nothing gathered, no mask built) and one for the step's single-token decodes;
+elsewhere PyTorch's scaled-dot-product attention over K/V gathered from the blocks
+for prefill chunks, and two float32 matrix products around a softmax for decodes
 (torch's fused CPU kernel spends ~0.5 ms a layer on one query over 512 keys, the
 two products ~0.1 ms). A paged GPU kernel reading block tables directly is a new
 class with the same three methods (:mod:`llm_stage.attention_flashinfer`).
@@ -48,6 +51,8 @@ class _Prefill:
     context: torch.Tensor | None = None  # block ids covering tokens [0, end)
     length: int = 0  # end
     mask: torch.Tensor | None = None  # (rows, length), additive: row i sees tokens <= start + i
+    start: int = 0
+    table: torch.Tensor | None = None  # block ids covering tokens [0, end), for the C kernel
 
 
 @dataclass(slots=True)
@@ -102,6 +107,8 @@ class SdpaBackend:
         self.kernels = cpu_kernels.usable(kv.kv, dtypes=(torch.bfloat16, torch.float32))
         if self.kernels is not None:
             self.kernels.start_helpers()
+        # prefill attention in one C call too, for the head sizes it is built for
+        self.prefill_kernel = self.kernels is not None and kv.kv.shape[-1] in cpu_kernels.PREFILL_HEAD_DIMS
 
     def plan(self, items: list[StepItem]) -> SdpaPlan:
         size = self.kv.block_size
@@ -118,9 +125,11 @@ class SdpaBackend:
                 decode_rows.append(row)
                 row += 1
                 continue
-            prefill = _Prefill(slice(row, row + end - start))
+            prefill = _Prefill(slice(row, row + end - start), start=start)
             row += end - start
-            if start > 0:
+            if self.prefill_kernel:  # reads the cache through the table: no gather, no mask
+                prefill.table = torch.tensor(table[: -(-end // size)], device=self.device)
+            elif start > 0:
                 prefill.context = torch.tensor(table[: -(-end // size)], device=self.device)
                 prefill.length = end
                 cols = torch.arange(end, device=self.device)
@@ -165,6 +174,11 @@ class SdpaBackend:
     def _prefill(self, layer: int, q: torch.Tensor, qkv: torch.Tensor, p: _Prefill) -> torch.Tensor:
         """One prefill chunk's rows: → (rows, heads, head_dim), a view."""
         heads, kv_heads = self.num_heads, self.kv.num_kv_heads
+        if p.table is not None:
+            assert self.kernels is not None
+            return cpu_kernels.prefill_attention(
+                self.kernels, q[p.rows], self.kv.blocks(layer), p.table, p.start, kv_heads, self.scaling
+            )
         query = q[p.rows].transpose(0, 1)[None]
         if p.context is None:  # the sequence's first tokens: K/V are right here
             kv = qkv[p.rows, heads:]

@@ -51,8 +51,9 @@ class ModelRunner:
         self.attention: AttentionBackend = attention or SdpaBackend(kv, lm.num_heads, lm.scaling)
         self.device = kv.kv.device
         # The layer's small operators as one C function each, where the model computes in bfloat16
-        # on a CPU and the kernels built (:mod:`mmcache.shared.cpu_kernels`); else eager PyTorch.
-        self.kernels = cpu_kernels.usable(kv.kv, lm.head_norm)
+        # or float32 on a CPU and the kernels built (:mod:`mmcache.shared.cpu_kernels`); else eager
+        # PyTorch.
+        self.kernels = cpu_kernels.usable(kv.kv, lm.head_norm, dtypes=(torch.bfloat16, torch.float32))
         self.fused_silu = self.kernels is not None and lm.config.hidden_act == "silu"
         # a decode-only step's layers in one C call, where they qualify (llm_stage/cpu_decode.py)
         self.cpu_decode = CpuDecode.build(lm, kv, self.attention)

@@ -1,5 +1,5 @@
-/* The decoder layer's small operators on bfloat16 rows, one pass each (shared/cpu_kernels.py);
- * decode attention on float32 caches too.
+/* The decoder layer's small operators on bfloat16 rows, one pass each (shared/cpu_kernels.py), and
+ * on float32 rows (a float32 model's); decode and prefill attention over the paged cache.
  *
  * Compiled on the machine that runs it (-march=native), loaded with ctypes. Every row is computed
  * the same way whatever the number of rows: a row alone equals that row among many (what a cache
@@ -93,49 +93,61 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return fold(acc);
 }
 
+static inline float same(float v) { return v; }
+
+/* Each operator below for bfloat16 rows (mm_NAME) and for float32 rows (mm_NAME_f32): LOAD widens an
+ * element to float32, STORE rounds a float32 to the element type (both the identity for float32). */
+
 /* out = x / rms(x) * weight per row of dim values; float32 inside, rounded once (torch's order). */
-void mm_rms_norm(const bf16 *x, int64_t x_stride, const bf16 *weight, bf16 *out, int64_t rows,
-                 int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *xr = x + r * x_stride;
-        bf16 *o = out + r * dim;
-        lanes_t acc = {0};
-        int64_t i = 0;
-        for (; i + LANES <= dim; i += LANES) {
-            float v[LANES];
-            for (int l = 0; l < LANES; l++) v[l] = widen(xr[i + l]);
-            acc += load_lanes(v) * load_lanes(v);
-        }
-        for (; i < dim; i++) acc[i % LANES] += widen(xr[i]) * widen(xr[i]);
-        float scale = 1.0f / sqrtf(fold(acc) / (float)dim + eps);
-        for (int64_t d = 0; d < dim; d++) o[d] = narrow(widen(xr[d]) * scale * widen(weight[d]));
-    }
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE) \
+void NAME(const T *x, int64_t x_stride, const T *weight, T *out, int64_t rows, int64_t dim, float eps) {          \
+_Pragma("omp parallel for schedule(static) if (rows * dim >= PARALLEL_VALUES)")                                   \
+    for (int64_t r = 0; r < rows; r++) {                                                                          \
+        const T *xr = x + r * x_stride;                                                                           \
+        T *o = out + r * dim;                                                                                     \
+        lanes_t acc = {0};                                                                                        \
+        int64_t i = 0;                                                                                            \
+        for (; i + LANES <= dim; i += LANES) {                                                                    \
+            float v[LANES];                                                                                       \
+            for (int l = 0; l < LANES; l++) v[l] = LOAD(xr[i + l]);                                               \
+            acc += load_lanes(v) * load_lanes(v);                                                                 \
+        }                                                                                                         \
+        for (; i < dim; i++) acc[i % LANES] += LOAD(xr[i]) * LOAD(xr[i]);                                         \
+        float scale = 1.0f / sqrtf(fold(acc) / (float)dim + eps);                                                 \
+        for (int64_t d = 0; d < dim; d++) o[d] = STORE(LOAD(xr[d]) * scale * LOAD(weight[d]));                    \
+    }                                                                                                             \
 }
+
+DEFINE_RMS_NORM(mm_rms_norm, bf16, widen, narrow)
+DEFINE_RMS_NORM(mm_rms_norm_f32, float, same, same)
 
 /* Rotary embedding in place on heads of head_dim values (rows, heads, head_dim), rows row_stride
  * apart: x * cos + rotate_half(x) * sin, each product and the sum rounded as eager rounds them.
  * folded_sin is sin with its first half negated (rotate_half's sign); cos and folded_sin are
  * (rows, head_dim). */
-void mm_rotate(bf16 *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-               const bf16 *cos, const bf16 *folded_sin) {
-    int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *c = cos + r * head_dim, *s = folded_sin + r * head_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            bf16 *v = x + r * row_stride + h * head_dim;
-            float orig[head_dim];
-            for (int64_t d = 0; d < head_dim; d++) orig[d] = widen(v[d]);
-            for (int64_t d = 0; d < head_dim; d++) {
-                float partner = orig[d < half ? d + half : d - half];
-                float rotated = widen(narrow(partner * widen(s[d])));
-                float scaled = widen(narrow(orig[d] * widen(c[d])));
-                v[d] = narrow(scaled + rotated);
-            }
-        }
-    }
+#define DEFINE_ROTATE(NAME, T, LOAD, STORE) \
+void NAME(T *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim, const T *cos,                  \
+          const T *folded_sin) {                                                                                  \
+    int64_t half = head_dim / 2;                                                                                  \
+_Pragma("omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_VALUES)")                      \
+    for (int64_t r = 0; r < rows; r++) {                                                                          \
+        const T *c = cos + r * head_dim, *s = folded_sin + r * head_dim;                                          \
+        for (int64_t h = 0; h < heads; h++) {                                                                     \
+            T *v = x + r * row_stride + h * head_dim;                                                             \
+            float orig[head_dim];                                                                                 \
+            for (int64_t d = 0; d < head_dim; d++) orig[d] = LOAD(v[d]);                                          \
+            for (int64_t d = 0; d < head_dim; d++) {                                                              \
+                float partner = orig[d < half ? d + half : d - half];                                             \
+                float rotated = LOAD(STORE(partner * LOAD(s[d])));                                                \
+                float scaled = LOAD(STORE(orig[d] * LOAD(c[d])));                                                 \
+                v[d] = STORE(scaled + rotated);                                                                   \
+            }                                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
 }
+
+DEFINE_ROTATE(mm_rotate, bf16, widen, narrow)
+DEFINE_ROTATE(mm_rotate_f32, float, same, same)
 
 /* A vision tower's rotary embedding (transformers' apply_rotary_pos_emb_vision): x (rows, heads,
  * head_dim) bfloat16, rows and heads row_stride and head_stride apart; cos and sin float32 (rows,
@@ -160,23 +172,26 @@ void mm_rotate_vision(const bf16 *restrict x, int64_t row_stride, int64_t head_s
 /* out = silu(gate) * up per row of gate_up = [gate | up] (rows, 2 * width): SiLU rounded, then
  * the product rounded, as eager's two operators. Two passes over a stack buffer of a few hundred
  * values: gcc vectorizes each well, the fused loop badly (~8x slower on AVX-512). */
-void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows, int64_t width) {
-#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *restrict g = gate_up + r * 2 * width, *restrict u = g + width;
-        bf16 *restrict o = out + r * width;
-        float act[256];
-        for (int64_t start = 0; start < width; start += 256) {
-            int64_t n = width - start < 256 ? width - start : 256;
-            for (int64_t d = 0; d < n; d++) {
-                float x = widen(g[start + d]);
-                act[d] = x / (1.0f + exp_approx(-x));
-            }
-            for (int64_t d = 0; d < n; d++)
-                o[start + d] = narrow(widen(narrow(act[d])) * widen(u[start + d]));
-        }
-    }
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE) \
+void NAME(const T *restrict gate_up, T *restrict out, int64_t rows, int64_t width) {                              \
+_Pragma("omp parallel for schedule(static) if (rows * width >= PARALLEL_VALUES)")                                 \
+    for (int64_t r = 0; r < rows; r++) {                                                                          \
+        const T *restrict g = gate_up + r * 2 * width, *restrict u = g + width;                                   \
+        T *restrict o = out + r * width;                                                                          \
+        float act[256];                                                                                           \
+        for (int64_t start = 0; start < width; start += 256) {                                                    \
+            int64_t n = width - start < 256 ? width - start : 256;                                                \
+            for (int64_t d = 0; d < n; d++) {                                                                     \
+                float x = LOAD(g[start + d]);                                                                     \
+                act[d] = x / (1.0f + exp_approx(-x));                                                             \
+            }                                                                                                     \
+            for (int64_t d = 0; d < n; d++) o[start + d] = STORE(LOAD(STORE(act[d])) * LOAD(u[start + d]));       \
+        }                                                                                                         \
+    }                                                                                                             \
 }
+
+DEFINE_SILU_MUL(mm_silu_mul, bf16, widen, narrow)
+DEFINE_SILU_MUL(mm_silu_mul_f32, float, same, same)
 
 /* Softmax of one query's scores in place. */
 static void softmax_(float *s, int64_t length) {
@@ -243,8 +258,6 @@ static inline void NAME(const T *restrict q, const T *restrict cache, int64_t bl
     for (int64_t j = 0; j < group * head_dim; j++) out[j] = STORE(acc[j]);                                              \
     free(scores);                                                                                                       \
 }
-
-static inline float same(float v) { return v; }
 
 DEFINE_ATTEND_HEAD(attend_head, bf16, widen, narrow)
 DEFINE_ATTEND_HEAD(attend_head_f32, float, same, same)
@@ -399,3 +412,139 @@ _Pragma("omp parallel for schedule(static) if (tasks * longest * head_dim >= PAR
 
 DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head_bf16)
 DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
+
+/* Prefill attention: query rows start .. start + rows - 1 of one sequence, row r attending over the
+ * cached keys and values of tokens 0 .. start + r (its own included: the step's K/V are in the cache
+ * already), for a cache of bfloat16 (mm_prefill_attention) or of float32 (mm_prefill_attention_f32;
+ * q and out too). q: (rows, heads, head_dim), rows q_stride apart; cache and table as decode
+ * attention's (one sequence's table); out: (rows, heads, head_dim) contiguous.
+ *
+ * A task is PREFILL_ROWS rows of one kv head: its keys are laid out transposed in float32 tiles of
+ * LANES keys, so a query's scores for LANES keys are head_dim vector products and sums (no folding
+ * of lanes per key); its values widened once, summed in registers. A row's arithmetic does not
+ * depend on which task, chunk or step computes it: each score sums over head_dim in order, softmax_
+ * runs over the row's own keys, each output sums over keys in order. So a prompt computed in one
+ * step, in chunks, or after a prefix hit gives each row the same attention from the same K/V. */
+#define PREFILL_ROWS 16
+#define PREFILL_QUERIES 4 /* query rows of one head scored and summed together */
+
+typedef struct {
+    const void *q, *cache;
+    const int64_t *table;
+    void *out;
+    int64_t q_stride, block_size, rows, start, heads, kv_heads, head_dim, blocks;
+    float scale;
+} prefill_t;
+
+/* Scores of PREFILL_QUERIES queries x (PREFILL_QUERIES x head_dim) against keys 0 .. LANES * tiles - 1
+ * (kt: tiles of head_dim x LANES), scaled, into s (PREFILL_QUERIES rows of `width`): two tiles of
+ * four queries a pass, eight independent sums in registers, each over head_dim in order. */
+static inline __attribute__((always_inline)) void prefill_scores(const float *restrict x, const float *restrict kt,
+                                                                  int64_t tiles, const int64_t head_dim, float scale,
+                                                                  float *restrict s, int64_t width) {
+    for (int64_t t = 0; t < tiles; t += 2) {
+        const float *a = kt + t * head_dim * LANES, *b = t + 1 < tiles ? a + head_dim * LANES : a;
+        lanes_t acc[2][PREFILL_QUERIES] = {{{0}}};
+        for (int64_t i = 0; i < head_dim; i++) {
+            lanes_t ka = load_lanes(a + i * LANES), kb = load_lanes(b + i * LANES);
+            for (int m = 0; m < PREFILL_QUERIES; m++) {
+                acc[0][m] += x[m * head_dim + i] * ka;
+                acc[1][m] += x[m * head_dim + i] * kb;
+            }
+        }
+        for (int m = 0; m < PREFILL_QUERIES; m++) {
+            acc[0][m] *= scale;
+            acc[1][m] *= scale;
+            memcpy(s + m * width + t * LANES, &acc[0][m], sizeof(lanes_t));
+            if (t + 1 < tiles) memcpy(s + m * width + (t + 1) * LANES, &acc[1][m], sizeof(lanes_t));
+        }
+    }
+}
+
+/* out (PREFILL_QUERIES x head_dim) = for each query m, sum over keys j < n of p[m][j] * values[j]
+ * (values: n x head_dim float32), in key order; p zero past each query's own keys (a zero weight
+ * leaves a sum as it was, so each query's sum is its keys' alone). */
+static inline __attribute__((always_inline)) void prefill_values(const float *restrict p, int64_t width,
+                                                                  const float *restrict values, int64_t n,
+                                                                  const int64_t head_dim, float *restrict out) {
+    lanes_t acc[PREFILL_QUERIES][head_dim / LANES];
+    for (int m = 0; m < PREFILL_QUERIES; m++)
+        for (int64_t k = 0; k < head_dim / LANES; k++) acc[m][k] = (lanes_t){0};
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t k = 0; k < head_dim / LANES; k++) {
+            lanes_t v = load_lanes(values + j * head_dim + k * LANES);
+            for (int m = 0; m < PREFILL_QUERIES; m++) acc[m][k] += p[m * width + j] * v;
+        }
+    memcpy(out, acc, sizeof acc);
+}
+
+#define DEFINE_PREFILL_TASK(NAME, T, LOAD, STORE) \
+static inline __attribute__((always_inline)) void NAME##_rows(const prefill_t *a, int64_t g, int64_t r0, int64_t r1, \
+                                                               const int64_t head_dim) {                               \
+    int64_t group = a->heads / a->kv_heads, slot = 2 * a->kv_heads * head_dim;                                         \
+    int64_t keys = a->start + r1, tiles = (keys + LANES - 1) / LANES;                                                   \
+    int64_t width = tiles * LANES + LANES; /* a query's scores, padded for the second tile of a pass */                \
+    float *restrict kt = malloc(sizeof(float) * (size_t)(tiles * LANES * head_dim * 2 +                                \
+                                                         PREFILL_QUERIES * (width + 2 * head_dim)));                  \
+    float *restrict values = kt + tiles * LANES * head_dim, *restrict s = values + tiles * LANES * head_dim;           \
+    float *restrict x = s + PREFILL_QUERIES * width, *restrict o = x + PREFILL_QUERIES * head_dim;                     \
+    const T *cache = a->cache;                                                                                          \
+    for (int64_t j = 0; j < tiles * LANES; j++) {                                                                       \
+        float *col = kt + (j / LANES) * head_dim * LANES + j % LANES;                                                   \
+        if (j >= keys) {                                                                                                \
+            for (int64_t i = 0; i < head_dim; i++) col[i * LANES] = 0.0f;                                               \
+            continue;                                                                                                   \
+        }                                                                                                               \
+        const T *k = cache + (a->table[j / a->block_size] * a->block_size + j % a->block_size) * slot + g * head_dim;  \
+        const T *v = k + a->kv_heads * head_dim;                                                                        \
+        for (int64_t i = 0; i < head_dim; i++) col[i * LANES] = LOAD(k[i]);                                             \
+        for (int64_t i = 0; i < head_dim; i++) values[j * head_dim + i] = LOAD(v[i]);                                   \
+    }                                                                                                                   \
+    for (int64_t h = g * group; h < (g + 1) * group; h++)                                                              \
+        for (int64_t r = r0; r < r1; r += PREFILL_QUERIES) { /* rows r .. r + 3 of head h (the last repeated) */      \
+            int64_t last = r + PREFILL_QUERIES <= r1 ? r + PREFILL_QUERIES - 1 : r1 - 1, n = a->start + last + 1;      \
+            for (int m = 0; m < PREFILL_QUERIES; m++) {                                                                \
+                int64_t row = r + m < last ? r + m : last;                                                            \
+                const T *qh = (const T *)a->q + row * a->q_stride + h * head_dim;                                      \
+                for (int64_t i = 0; i < head_dim; i++) x[m * head_dim + i] = LOAD(qh[i]);                            \
+            }                                                                                                          \
+            prefill_scores(x, kt, (n + LANES - 1) / LANES, head_dim, a->scale, s, width);                             \
+            for (int m = 0; m < PREFILL_QUERIES; m++) {                                                                \
+                int64_t own = a->start + (r + m < last ? r + m : last) + 1;                                           \
+                softmax_(s + m * width, own);                                                                          \
+                for (int64_t j = own; j < n; j++) s[m * width + j] = 0.0f;                                             \
+            }                                                                                                          \
+            prefill_values(s, width, values, n, head_dim, o);                                                          \
+            for (int m = 0; m < PREFILL_QUERIES && r + m <= last; m++) {                                              \
+                T *out = (T *)a->out + ((r + m) * a->heads + h) * head_dim;                                            \
+                for (int64_t i = 0; i < head_dim; i++) out[i] = STORE(o[m * head_dim + i]);                           \
+            }                                                                                                          \
+        }                                                                                                              \
+    free(kt);                                                                                                           \
+}                                                                                                                       \
+/* Task t: the latest row blocks first (they attend over the most keys), kv heads innermost. */                        \
+static void NAME##_task(const void *ctx, int64_t task) {                                                                \
+    const prefill_t *a = ctx;                                                                                           \
+    int64_t g = task % a->kv_heads, block = a->blocks - 1 - task / a->kv_heads;                                         \
+    int64_t r0 = block * PREFILL_ROWS, r1 = r0 + PREFILL_ROWS < a->rows ? r0 + PREFILL_ROWS : a->rows;                  \
+    if (a->head_dim == 32)                                                                                              \
+        NAME##_rows(a, g, r0, r1, 32);                                                                                  \
+    else if (a->head_dim == 64)                                                                                         \
+        NAME##_rows(a, g, r0, r1, 64);                                                                                  \
+    else                                                                                                                \
+        NAME##_rows(a, g, r0, r1, 128);                                                                                 \
+}                                                                                                                       \
+void NAME(const T *q, int64_t q_stride, const T *cache, int64_t block_size, const int64_t *table, int64_t rows,        \
+          int64_t start, T *out, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {                     \
+    int64_t blocks = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS, tasks = blocks * kv_heads;                               \
+    const prefill_t a = {q, cache, table, out, q_stride, block_size, rows, start, heads, kv_heads, head_dim, blocks,    \
+                         scale};                                                                                        \
+    if (mm_pool_helpers() > 0 && tasks > 1) {                                                                           \
+        mm_pool_run(NAME##_task, &a, tasks);                                                                            \
+        return;                                                                                                         \
+    }                                                                                                                   \
+    for (int64_t task = 0; task < tasks; task++) NAME##_task(&a, task);                                                 \
+}
+
+DEFINE_PREFILL_TASK(mm_prefill_attention, bf16, widen, narrow)
+DEFINE_PREFILL_TASK(mm_prefill_attention_f32, float, same, same)

@@ -1,21 +1,24 @@
-"""The decoder layer's small operators in one pass each, on bfloat16 CPU tensors (``cpu_kernels.c``).
+"""The decoder layer's small operators in one pass each, on bfloat16 or float32 CPU tensors
+(``cpu_kernels.c``).
 
 Between its weight products a decoder layer runs an RMSNorm, the rotary embedding, attention over
 the cache and SiLU(gate) * up. Eager PyTorch spends ~35 operators a layer on them (the RMSNorm alone
 is eight: widen, square, mean, add, rsqrt, two multiplies, round), each a dispatch, an allocation
 and a pass over memory: ~11 ms of a 53 ms batch-1 decode step of Qwen2-0.5B's shape on a 2-core Xeon,
-and a quarter of a 512-token prefill. Each kernel here is one C function called through ctypes.
+and a quarter of a 512-token prefill. Each kernel here is one C function called through ctypes,
+for bfloat16 rows and (a float32 model's) float32 rows alike.
 
 The source is compiled on first use on the machine that runs it (``cc -O3 -march=native -fopenmp``),
 into ``$MMCACHE_HOME/kernels`` (default ``~/.cache/mmcache``) under a name that hashes the source,
 the compiler and the CPU's flags, so a cached library never runs on a CPU it was not built for.
 Without a C compiler, or with ``MMCACHE_CPU_KERNELS=0``, :func:`kernels` returns None and the model
 runs eager PyTorch. Results: the rotary embedding equals eager's bit for bit; the RMSNorm, SiLU and
-attention sum in another order (within a bfloat16 rounding of eager's); and every row is computed
-alike whatever the number of rows, so batching never changes a row. (What a row computes still
-depends on its path: a prompt row after a prefix hit takes decode attention or SDPA with a mask
-where a miss takes SDPA's causal kernel, which round differently in bfloat16.) The vision towers'
-rotary embedding (``mm_rotate_vision``, :mod:`mmcache.encoder_stage.vision_rotary`) is here too.
+attention sum in another order (within a rounding of eager's); and every row is computed alike
+whatever the number of rows, so batching never changes a row. Prefill attention goes further: a
+prompt row's attention is the same whether its prompt ran in one step, in chunks, or from a prefix
+hit on (given the same cached K/V); a single-token decode takes decode attention, which sums in
+another order. The vision towers' rotary embedding (``mm_rotate_vision``,
+:mod:`mmcache.encoder_stage.vision_rotary`) is here too.
 """
 
 from __future__ import annotations
@@ -61,11 +64,16 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _PACKED_ISAS = ("", "avx512-bf16", "amx")  # mm_packed_isa's answers
 _SIGNATURES = {
     "mm_rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
+    "mm_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "mm_rotate": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
+    "mm_rotate_f32": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
     "mm_rotate_vision": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "mm_silu_mul": [_ptr, _ptr, _i64, _i64],
+    "mm_silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
+    "mm_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32],
+    "mm_prefill_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32],
     "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "mm_decode_layers": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
 }
@@ -126,8 +134,16 @@ class Kernels:
         self.rotate = lib.mm_rotate
         self.rotate_vision = lib.mm_rotate_vision
         self.silu_mul = lib.mm_silu_mul
+        # the layer's operators on float32 rows (a float32 model): by dtype, as the functions below pick
+        self.float32 = {
+            "rms_norm": lib.mm_rms_norm_f32,
+            "rotate": lib.mm_rotate_f32,
+            "silu_mul": lib.mm_silu_mul_f32,
+        }
         self.decode_attention = lib.mm_decode_attention
         self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
+        self.prefill_attention = lib.mm_prefill_attention
+        self.prefill_attention_f32 = lib.mm_prefill_attention_f32
         self.packed_product = lib.mm_packed_product
         self.decode_layers = lib.mm_decode_layers  # cpu_layers.c
         lib.mm_decode_scratch.argtypes, lib.mm_decode_scratch.restype = [_ptr, _i64], _i64
@@ -193,7 +209,9 @@ def rms_norm(lib: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     rows, dim = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous()
     out = torch.empty((rows, dim), dtype=x.dtype)
-    lib.rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+    call = lib.rms_norm if x.dtype == torch.bfloat16 else lib.float32["rms_norm"]
+    assert weight.dtype == x.dtype
+    call(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
     return out
 
 
@@ -202,7 +220,9 @@ def rotate_(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, folded_sin: torch.
     ``folded_sin`` (rows, head_dim) contiguous."""
     rows, heads, dim = x.shape
     assert x.stride(2) == 1 and x.stride(1) == dim and cos.is_contiguous() and folded_sin.is_contiguous()
-    lib.rotate(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(), folded_sin.data_ptr())
+    call = lib.rotate if x.dtype == torch.bfloat16 else lib.float32["rotate"]
+    assert cos.dtype == folded_sin.dtype == x.dtype
+    call(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(), folded_sin.data_ptr())
 
 
 def silu_mul(lib: Kernels, gate_up: torch.Tensor) -> torch.Tensor:
@@ -210,7 +230,8 @@ def silu_mul(lib: Kernels, gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.is_contiguous()
     out = torch.empty((rows, width), dtype=gate_up.dtype)
-    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width)
+    call = lib.silu_mul if gate_up.dtype == torch.bfloat16 else lib.float32["silu_mul"]
+    call(gate_up.data_ptr(), out.data_ptr(), rows, width)
     return out
 
 
@@ -231,6 +252,49 @@ def rotate_vision(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
         cos.data_ptr(),
         sin.data_ptr(),
         out.data_ptr(),
+    )
+    return out
+
+
+PREFILL_HEAD_DIMS = (32, 64, 128)  # the head sizes mm_prefill_attention is built for
+
+
+def prefill_attention(
+    lib: Kernels,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    start: int,
+    kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's query rows ``q`` (rows, heads, head_dim), the tokens
+    ``start`` .. ``start + rows - 1``, over the cache ``cache`` (blocks, block_size, 2 * kv_heads,
+    head_dim) through ``table`` (int64 block ids covering tokens 0 .. start + rows - 1), whose slots
+    hold these rows' K/V already: a new (rows, heads, head_dim) tensor. ``q``'s heads contiguous;
+    bfloat16 or float32 like the cache."""
+    rows, heads, dim = q.shape
+    assert q.stride(2) == 1 and q.stride(1) == dim and cache.is_contiguous() and table.dtype == torch.int64
+    assert (
+        q.dtype == cache.dtype
+        and dim in PREFILL_HEAD_DIMS
+        and table.shape[0] * cache.shape[1] >= start + rows
+    )
+    out = torch.empty((rows, heads, dim), dtype=q.dtype)
+    call = lib.prefill_attention if q.dtype == torch.bfloat16 else lib.prefill_attention_f32
+    call(
+        q.data_ptr(),
+        q.stride(0),
+        cache.data_ptr(),
+        cache.shape[1],
+        table.data_ptr(),
+        rows,
+        start,
+        out.data_ptr(),
+        heads,
+        kv_heads,
+        dim,
+        scale,
     )
     return out
 

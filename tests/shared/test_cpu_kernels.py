@@ -87,6 +87,79 @@ def test_silu_times_up_is_eager_up_to_one_rounding_and_rows_are_independent(lib,
     assert torch.equal(cpu_kernels.silu_mul(lib, gate_up[:1].clone()), ours[:1])
 
 
+@pytest.mark.parametrize("rows", [1, 300])
+def test_float32_operators_match_eager_float32(lib, rows: int) -> None:
+    """A float32 model's layer takes the same operators on float32 rows: the rotary embedding bit for
+    bit, the RMSNorm and SiLU within float32 roundings; a row alone equals it among many."""
+    heads, kv_heads, dim = 4, 2, 32
+    x = torch.randn(rows, 128, generator=_gen(rows)) * 3
+    weight = torch.randn(128, generator=_gen(1))
+    ours = cpu_kernels.rms_norm(lib, x, weight, 1e-6)
+    torch.testing.assert_close(ours, F.rms_norm(x, (128,), weight, 1e-6), atol=1e-5, rtol=1e-5)
+    assert torch.equal(cpu_kernels.rms_norm(lib, x[-1:].clone(), weight, 1e-6), ours[-1:])
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=_gen(2))
+    cos, folded_sin = torch.randn(rows, dim, generator=_gen(3)), torch.randn(rows, dim, generator=_gen(4))
+    eager, rotated = qkv.clone(), qkv.clone()
+    rotate_(eager[:, : heads + kv_heads], cos[:, None], folded_sin[:, None])
+    cpu_kernels.rotate_(lib, rotated[:, : heads + kv_heads], cos, folded_sin)
+    assert torch.equal(rotated, eager) and not torch.equal(rotated, qkv)
+    gate_up = torch.randn(rows, 2 * 256, generator=_gen(5)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = cpu_kernels.silu_mul(lib, gate_up)
+    torch.testing.assert_close(act, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cpu_kernels.silu_mul(lib, gate_up[-1:].clone()), act[-1:])
+
+
+def _prefill_reference(
+    q: torch.Tensor, blocks: torch.Tensor, table: list[int], start: int, kv_heads: int
+) -> torch.Tensor:
+    """Causal attention in float64: row r of q sees the cached tokens 0 .. start + r."""
+    rows, _, dim = q.shape
+    kv = blocks[table].flatten(0, 1)[: start + rows].double()
+    allowed = torch.arange(start + rows)[None, :] <= start + torch.arange(rows)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1)[None],
+        kv[:, :kv_heads].transpose(0, 1)[None],
+        kv[:, kv_heads:].transpose(0, 1)[None],
+        attn_mask=allowed,
+        scale=dim**-0.5,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+# tiny's float32 heads (32 wide), mid's bfloat16 ones (groups of 7) and 128-wide ones; a prompt's
+# first rows (start 0), a chunk after 150 cached tokens, and fewer rows than a task's block
+@pytest.mark.parametrize(
+    "dtype,dim,heads,kv_heads",
+    [(torch.float32, 32, 4, 2), (BF16, 64, 14, 2), (BF16, 128, 8, 8), (torch.float32, 64, 3, 1)],
+)
+@pytest.mark.parametrize("rows,start", [(220, 0), (100, 150), (3, 0), (1, 40)])
+def test_prefill_attention_is_causal_attention_over_the_paged_cache(
+    lib, dtype: torch.dtype, dim: int, heads: int, kv_heads: int, rows: int, start: int
+) -> None:
+    size, total = 16, start + rows
+    per_seq = -(-total // size)
+    blocks = torch.randn(per_seq + 3, size, 2 * kv_heads, dim, generator=_gen(9)).to(dtype)
+    table = (torch.randperm(per_seq + 3, generator=_gen(10))[:per_seq]).tolist()  # scattered blocks
+    q = torch.randn(rows, heads + 2 * kv_heads, dim, generator=_gen(11)).to(dtype)[:, :heads]
+    ours = cpu_kernels.prefill_attention(lib, q, blocks, torch.tensor(table), start, kv_heads, dim**-0.5)
+    reference = _prefill_reference(q, blocks, table, start, kv_heads)
+    if dtype == BF16:  # one rounding of the float32 result to bfloat16
+        torch.testing.assert_close(ours.double(), reference, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(ours.double(), reference, atol=2e-6, rtol=1e-5)
+    # The same rows in chunks (a prompt over several steps, or after a prefix hit): bit for bit.
+    cut = max(1, rows // 3)
+    pieces = [
+        cpu_kernels.prefill_attention(lib, q[:cut], blocks, torch.tensor(table), start, kv_heads, dim**-0.5),
+        cpu_kernels.prefill_attention(
+            lib, q[cut:], blocks, torch.tensor(table), start + cut, kv_heads, dim**-0.5
+        ),
+    ]
+    assert torch.equal(torch.cat(pieces), ours)
+
+
 class _Cache:
     """What SdpaBackend reads of a KV cache: blocks of one layer, their size and kv heads."""
 
