@@ -192,6 +192,7 @@ class LLMService:
             self.cfg.block_size,
             id=replica_id(),
             healthy=self.healthy,
+            max_model_len=self.engine.max_model_len,
         )
 
     # --- probe ----------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class Dispatcher:
             "failover_retries": {"llm": self.num_llm_retries, "encoder": self.num_encoder_retries},
             "failover_migrations": self.num_llm_migrations,
             "failover_exhausted": self.num_failover_exhausted,
+            "unprobed_routes": self.stages.num_unprobed,
         }
 
     def _placed(self, prepared: Prepared) -> list[_Placed]:

@@ -101,6 +101,11 @@ class ProcessorMetrics:
                 "requests that ended because every failover was used up",
                 registry=r,
             ),
+            "unprobed_routes": Counter(
+                "mmcache_processor_unprobed_routes",
+                "requests sent to the only LLM replica without a probe (a prompt without media)",
+                registry=r,
+            ),
             "cache_bytes": Gauge(
                 "mmcache_processor_cache_bytes", "bytes held by the cache", registry=r, multiprocess_mode=_SUM
             ),

@@ -29,7 +29,8 @@ class Health:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """The LLM replica chosen for a request, with what its probe found."""
+    """The LLM replica chosen for a request, with what its probe found (a probe that found nothing,
+    where none was sent: :meth:`StageClients._alone`)."""
 
     client: RpcClient
     probe: ProbeReply
@@ -67,6 +68,7 @@ class StageClients:
         self.llm_set = ReplicaSet(ctx, llms, "llm", resolver, **timers)
         self.encoders = _Clients(self.encoder_set)
         self._kv_identity: tuple[bytes, int] | None = None
+        self.num_unprobed = 0  # requests routed without a probe (see _alone)
         with contextlib.suppress(RuntimeError):  # no loop yet: started by the first request
             asyncio.get_running_loop()
             self.start()
@@ -108,6 +110,9 @@ class StageClients:
         first block hashes to (shared.routing). (A replica that shares only the start of a
         block, such as a chat template's first tokens, has no real lead.)"""
         self.start()
+        alone = self._alone(probe)
+        if alone is not None:
+            return alone
         identity = await self.kv_identity(timeout)
         if identity is not None:
             fp, size = identity
@@ -147,6 +152,20 @@ class StageClients:
             if other is not best and other_reply.probe_id:
                 await other.client.notify(ReleaseProbe(other_reply.probe_id))
         return Route(best.client, reply)
+
+    def _alone(self, probe: ProbeRequest) -> Route | None:
+        """The route without a probe where its answer could change nothing: one LLM replica, alive,
+        and a prompt without media (no replica to choose, no chunk whose encoding a cached prefix
+        could spare). The request's own admission matches its prefix as a probe would have, with
+        no time between for the blocks to go; the context length comes from the heartbeat."""
+        if probe.spans:
+            return None
+        live = self.llm_set.live()
+        if len(live) != 1 or not live[0].alive or live[0].pong is None or not live[0].pong.max_model_len:
+            return None
+        pong = live[0].pong
+        self.num_unprobed += 1
+        return Route(live[0].client, ProbeReply(0, 0, pong.load, pong.max_model_len))
 
     async def _probe(self, replica: Replica, probe: ProbeRequest, timeout: float) -> ProbeReply:
         """A probe; one to a replica not answering the heartbeat (routed to only when none does)

@@ -32,6 +32,7 @@ class Pong:
     info: dict = field(default_factory=dict)  # counters, for people (metrics), never for routing
     block_size: int = 0  # an LLM replica's KV block size (routing hashes blocks of this size)
     id: str = ""  # the replica's own stable id (shared.service.replica_id): routing keys on it
+    max_model_len: int = 0  # an LLM replica's context length (0: not told)
     # NOTE: False from a replica that answers but can no longer serve (its engine failed):
     # discovery drops it as if it did not answer, and it refuses requests.
     healthy: bool = True

@@ -33,7 +33,7 @@ WORKER = textwrap.dedent(
         "cache_hits": hits, "cache_misses": 1, "cache_evictions": 0, "decodes": 1, "file_reads": 0,
         "bytes_fetched": {"data": 1000, "file": 0, "http": 0}, "repairs": {"missing": 0},
         "failover_retries": {"llm": 0}, "failover_migrations": 0, "failover_exhausted": 0,
-        "cache_bytes": 100, "cache_capacity_bytes": 1000, "cache_entries": 1,
+        "unprobed_routes": 0, "cache_bytes": 100, "cache_capacity_bytes": 1000, "cache_entries": 1,
     }
     m.sync(stats)
     m.sync(stats)  # a second sync of the same numbers adds nothing
@@ -86,6 +86,7 @@ STATS = {
     "failover_retries": {"llm": 0, "encoder": 0},
     "failover_migrations": 0,
     "failover_exhausted": 0,
+    "unprobed_routes": 0,
     "cache_bytes": 5,
     "cache_capacity_bytes": 50,
     "cache_entries": 1,
