@@ -38,6 +38,7 @@ STATS = {
     "failover_retries": {"llm": 0, "encoder": 0},
     "failover_migrations": 0,
     "failover_exhausted": 0,
+    "unprobed_routes": 0,
     "cache_bytes": 100,
     "cache_capacity_bytes": 1000,
     "cache_entries": 3,
