@@ -211,6 +211,24 @@ static void softmax_(float *s, int64_t length) {
     for (t = 0; t < length; t++) s[t] /= total;
 }
 
+/* exp(s - max s) in place over one query's scores, and their sum: a softmax whose division is left
+ * to the caller (prefill attention divides each output's head_dim sums instead of every score). */
+static float exp_sum_(float *s, int64_t length) {
+    float top[LANES];
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+    int64_t t = 0;
+    for (; t + LANES <= length; t += LANES)
+        for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];
+    for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];
+    float most = top[0];
+    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
+    for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);
+    lanes_t sums = {0};
+    for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);
+    for (; t < length; t++) sums[t % LANES] += s[t];
+    return fold(sums);
+}
+
 /* One query token of each of `batch` sequences attending over its cached keys and values, for a
  * cache of bfloat16 (mm_decode_attention) or of float32 (mm_decode_attention_f32; q and out too).
  *
@@ -414,26 +432,44 @@ DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head_bf16)
 DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
 
 /* Prefill attention: query rows start .. start + rows - 1 of one sequence, row r attending over the
- * cached keys and values of tokens 0 .. start + r (its own included: the step's K/V are in the cache
- * already), for a cache of bfloat16 (mm_prefill_attention) or of float32 (mm_prefill_attention_f32;
- * q and out too). q: (rows, heads, head_dim), rows q_stride apart; cache and table as decode
- * attention's (one sequence's table); out: (rows, heads, head_dim) contiguous.
+ * keys and values of tokens 0 .. start + r (its own included: the step's K/V are in the cache
+ * already), for bfloat16 (mm_prefill_attention) or float32 (mm_prefill_attention_f32) q, K, V and
+ * out. q: (rows, heads, head_dim), rows q_stride apart.
+ * Token j's key for kv head g is at k + slot(j) * k_stride + g * head_dim, its value likewise from v
+ * with v_stride, where slot(j) = table[j / block_size] * block_size + j % block_size: a paged cache
+ * (k and v the two halves of its slots) or, with one block, plain rows. out: (rows, heads,
+ * head_dim) contiguous.
  *
- * A task is PREFILL_ROWS rows of one kv head: its keys are laid out transposed in float32 tiles of
- * LANES keys, so a query's scores for LANES keys are head_dim vector products and sums (no folding
- * of lanes per key); its values widened once, summed in registers. A row's arithmetic does not
+ * First each kv head's keys are laid out once, transposed in float32 tiles of LANES keys, so a
+ * query's scores for LANES keys are head_dim vector products and sums (no folding of lanes per key),
+ * and its values widened once. Then a task is PREFILL_ROWS rows of one kv head, four rows a pass,
+ * their sums in registers. A row's arithmetic does not
  * depend on which task, chunk or step computes it: each score sums over head_dim in order, softmax_
- * runs over the row's own keys, each output sums over keys in order. So a prompt computed in one
+ * runs over the row's own keys (its division left to the outputs: head_dim divisions, not one a key),
+ * each output sums over keys in order. So a prompt computed in one
  * step, in chunks, or after a prefix hit gives each row the same attention from the same K/V. */
 #define PREFILL_ROWS 16
 #define PREFILL_QUERIES 4 /* query rows of one head scored and summed together */
 
+/* Loaded once, used by four products: without this gcc folds the load into each product (one
+ * 64-byte load a multiply, where the loads, not the arithmetic, then bound the loop). */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define KEEP_IN_REGISTER(x) __asm__("" : "+w"(x))
+#else
+#define KEEP_IN_REGISTER(x) (void)(x)
+#endif
+#define LAYOUT_TILES 8 /* key tiles one layout task widens */
+
 typedef struct {
-    const void *q, *cache;
+    const void *q, *k, *v;
     const int64_t *table;
     void *out;
-    int64_t q_stride, block_size, rows, start, heads, kv_heads, head_dim, blocks;
+    int64_t q_stride, k_stride, v_stride, block_size, rows, start, heads, kv_heads, head_dim, blocks;
     float scale;
+    int64_t tiles; /* key tiles of LANES keys: all the call's keys, the last tile padded */
+    float *layout; /* per kv head: its keys as tiles of head_dim x LANES, then its values (keys x head_dim) */
 } prefill_t;
 
 /* Scores of PREFILL_QUERIES queries x (PREFILL_QUERIES x head_dim) against keys 0 .. LANES * tiles - 1
@@ -447,6 +483,8 @@ static inline __attribute__((always_inline)) void prefill_scores(const float *re
         lanes_t acc[2][PREFILL_QUERIES] = {{{0}}};
         for (int64_t i = 0; i < head_dim; i++) {
             lanes_t ka = load_lanes(a + i * LANES), kb = load_lanes(b + i * LANES);
+            KEEP_IN_REGISTER(ka);
+            KEEP_IN_REGISTER(kb);
             for (int m = 0; m < PREFILL_QUERIES; m++) {
                 acc[0][m] += x[m * head_dim + i] * ka;
                 acc[1][m] += x[m * head_dim + i] * kb;
@@ -473,77 +511,94 @@ static inline __attribute__((always_inline)) void prefill_values(const float *re
     for (int64_t j = 0; j < n; j++)
         for (int64_t k = 0; k < head_dim / LANES; k++) {
             lanes_t v = load_lanes(values + j * head_dim + k * LANES);
+            KEEP_IN_REGISTER(v);
             for (int m = 0; m < PREFILL_QUERIES; m++) acc[m][k] += p[m * width + j] * v;
         }
     memcpy(out, acc, sizeof acc);
 }
 
 #define DEFINE_PREFILL_TASK(NAME, T, LOAD, STORE) \
-static inline __attribute__((always_inline)) void NAME##_rows(const prefill_t *a, int64_t g, int64_t r0, int64_t r1, \
-                                                               const int64_t head_dim) {                               \
-    int64_t group = a->heads / a->kv_heads, slot = 2 * a->kv_heads * head_dim;                                         \
-    int64_t keys = a->start + r1, tiles = (keys + LANES - 1) / LANES;                                                   \
-    int64_t width = tiles * LANES + LANES; /* a query's scores, padded for the second tile of a pass */                \
-    float *restrict kt = malloc(sizeof(float) * (size_t)(tiles * LANES * head_dim * 2 +                                \
-                                                         PREFILL_QUERIES * (width + 2 * head_dim)));                  \
-    float *restrict values = kt + tiles * LANES * head_dim, *restrict s = values + tiles * LANES * head_dim;           \
-    float *restrict x = s + PREFILL_QUERIES * width, *restrict o = x + PREFILL_QUERIES * head_dim;                     \
-    const T *cache = a->cache;                                                                                          \
-    for (int64_t j = 0; j < tiles * LANES; j++) {                                                                       \
-        float *col = kt + (j / LANES) * head_dim * LANES + j % LANES;                                                   \
+/* Layout task t: LAYOUT_TILES key tiles of one kv head, widened and transposed once for every row. */                 \
+static void NAME##_layout(const void *ctx, int64_t task) {                                                              \
+    const prefill_t *a = ctx;                                                                                           \
+    int64_t parts = (a->tiles + LAYOUT_TILES - 1) / LAYOUT_TILES, g = task / parts, part = task % parts;               \
+    int64_t d = a->head_dim, keys = a->start + a->rows;                                                                 \
+    float *kt = a->layout + g * a->tiles * LANES * d * 2, *values = kt + a->tiles * LANES * d;                          \
+    int64_t last = (part + 1) * LAYOUT_TILES * LANES < a->tiles * LANES ? (part + 1) * LAYOUT_TILES * LANES            \
+                                                                        : a->tiles * LANES;                             \
+    for (int64_t j = part * LAYOUT_TILES * LANES; j < last; j++) {                                                      \
+        float *col = kt + (j / LANES) * d * LANES + j % LANES;                                                          \
         if (j >= keys) {                                                                                                \
-            for (int64_t i = 0; i < head_dim; i++) col[i * LANES] = 0.0f;                                               \
+            for (int64_t i = 0; i < d; i++) col[i * LANES] = 0.0f;                                                      \
             continue;                                                                                                   \
         }                                                                                                               \
-        const T *k = cache + (a->table[j / a->block_size] * a->block_size + j % a->block_size) * slot + g * head_dim;  \
-        const T *v = k + a->kv_heads * head_dim;                                                                        \
-        for (int64_t i = 0; i < head_dim; i++) col[i * LANES] = LOAD(k[i]);                                             \
-        for (int64_t i = 0; i < head_dim; i++) values[j * head_dim + i] = LOAD(v[i]);                                   \
+        int64_t slot = a->table[j / a->block_size] * a->block_size + j % a->block_size;                                \
+        const T *k = (const T *)a->k + slot * a->k_stride + g * d, *v = (const T *)a->v + slot * a->v_stride + g * d; \
+        for (int64_t i = 0; i < d; i++) col[i * LANES] = LOAD(k[i]);                                                    \
+        for (int64_t i = 0; i < d; i++) values[j * d + i] = LOAD(v[i]);                                                 \
     }                                                                                                                   \
+}                                                                                                                       \
+static inline __attribute__((always_inline)) void NAME##_rows(const prefill_t *a, int64_t g, int64_t r0, int64_t r1, \
+                                                               const int64_t head_dim) {                               \
+    int64_t group = a->heads / a->kv_heads;                                                                             \
+    int64_t width = a->tiles * LANES + LANES; /* a query's scores, padded for the second tile of a pass */             \
+    const float *kt = a->layout + g * a->tiles * LANES * head_dim * 2, *values = kt + a->tiles * LANES * head_dim;      \
+    float *restrict s = malloc(sizeof(float) * (size_t)(PREFILL_QUERIES * (width + 2 * head_dim)));                    \
+    float *restrict x = s + PREFILL_QUERIES * width, *restrict o = x + PREFILL_QUERIES * head_dim;                     \
     for (int64_t h = g * group; h < (g + 1) * group; h++)                                                              \
         for (int64_t r = r0; r < r1; r += PREFILL_QUERIES) { /* rows r .. r + 3 of head h (the last repeated) */      \
-            int64_t last = r + PREFILL_QUERIES <= r1 ? r + PREFILL_QUERIES - 1 : r1 - 1, n = a->start + last + 1;      \
+            int64_t last = r + PREFILL_QUERIES <= r1 ? r + PREFILL_QUERIES - 1 : r1 - 1;                             \
+            int64_t n = a->start + last + 1;                                                                           \
             for (int m = 0; m < PREFILL_QUERIES; m++) {                                                                \
                 int64_t row = r + m < last ? r + m : last;                                                            \
                 const T *qh = (const T *)a->q + row * a->q_stride + h * head_dim;                                      \
                 for (int64_t i = 0; i < head_dim; i++) x[m * head_dim + i] = LOAD(qh[i]);                            \
             }                                                                                                          \
             prefill_scores(x, kt, (n + LANES - 1) / LANES, head_dim, a->scale, s, width);                             \
+            float total[PREFILL_QUERIES];                                                                              \
             for (int m = 0; m < PREFILL_QUERIES; m++) {                                                                \
                 int64_t own = a->start + (r + m < last ? r + m : last) + 1;                                           \
-                softmax_(s + m * width, own);                                                                          \
+                total[m] = exp_sum_(s + m * width, own);                                                               \
                 for (int64_t j = own; j < n; j++) s[m * width + j] = 0.0f;                                             \
             }                                                                                                          \
             prefill_values(s, width, values, n, head_dim, o);                                                          \
             for (int m = 0; m < PREFILL_QUERIES && r + m <= last; m++) {                                              \
                 T *out = (T *)a->out + ((r + m) * a->heads + h) * head_dim;                                            \
-                for (int64_t i = 0; i < head_dim; i++) out[i] = STORE(o[m * head_dim + i]);                           \
+                for (int64_t i = 0; i < head_dim; i++) out[i] = STORE(o[m * head_dim + i] / total[m]);                \
             }                                                                                                          \
         }                                                                                                              \
-    free(kt);                                                                                                           \
+    free(s);                                                                                                            \
 }                                                                                                                       \
-/* Task t: the latest row blocks first (they attend over the most keys), kv heads innermost. */                        \
+/* Row task t: the latest row blocks first (they attend over the most keys), kv heads innermost. */            \
 static void NAME##_task(const void *ctx, int64_t task) {                                                                \
     const prefill_t *a = ctx;                                                                                           \
     int64_t g = task % a->kv_heads, block = a->blocks - 1 - task / a->kv_heads;                                         \
     int64_t r0 = block * PREFILL_ROWS, r1 = r0 + PREFILL_ROWS < a->rows ? r0 + PREFILL_ROWS : a->rows;                  \
-    if (a->head_dim == 32)                                                                                              \
+    if (a->head_dim == 16)                                                                                              \
+        NAME##_rows(a, g, r0, r1, 16);                                                                                  \
+    else if (a->head_dim == 32)                                                                                         \
         NAME##_rows(a, g, r0, r1, 32);                                                                                  \
     else if (a->head_dim == 64)                                                                                         \
         NAME##_rows(a, g, r0, r1, 64);                                                                                  \
     else                                                                                                                \
         NAME##_rows(a, g, r0, r1, 128);                                                                                 \
 }                                                                                                                       \
-void NAME(const T *q, int64_t q_stride, const T *cache, int64_t block_size, const int64_t *table, int64_t rows,        \
-          int64_t start, T *out, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {                     \
-    int64_t blocks = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS, tasks = blocks * kv_heads;                               \
-    const prefill_t a = {q, cache, table, out, q_stride, block_size, rows, start, heads, kv_heads, head_dim, blocks,    \
-                         scale};                                                                                        \
-    if (mm_pool_helpers() > 0 && tasks > 1) {                                                                           \
-        mm_pool_run(NAME##_task, &a, tasks);                                                                            \
-        return;                                                                                                         \
-    }                                                                                                                   \
-    for (int64_t task = 0; task < tasks; task++) NAME##_task(&a, task);                                                 \
+static void NAME##_run(mm_task_fn fn, const prefill_t *a, int64_t tasks) {                                              \
+    if (mm_pool_helpers() > 0 && tasks > 1)                                                                             \
+        mm_pool_run(fn, a, tasks);                                                                                      \
+    else                                                                                                                \
+        for (int64_t task = 0; task < tasks; task++) fn(a, task);                                                       \
+}                                                                                                                       \
+void NAME(const T *q, int64_t q_stride, const T *k, int64_t k_stride, const T *v, int64_t v_stride,                  \
+          int64_t block_size, const int64_t *table, int64_t rows, int64_t start, T *out, int64_t heads,                 \
+          int64_t kv_heads, int64_t head_dim, float scale) {                                                            \
+    int64_t blocks = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS, tiles = (start + rows + LANES - 1) / LANES;              \
+    prefill_t a = {q,    k,     v,        table,    out,    q_stride, k_stride, v_stride, block_size,                  \
+                   rows, start, heads, kv_heads, head_dim, blocks, scale,    tiles,    NULL};                           \
+    a.layout = malloc(sizeof(float) * (size_t)(kv_heads * tiles * LANES * head_dim * 2));                              \
+    NAME##_run(NAME##_layout, &a, kv_heads * ((tiles + LAYOUT_TILES - 1) / LAYOUT_TILES));                             \
+    NAME##_run(NAME##_task, &a, blocks * kv_heads);                                                                     \
+    free(a.layout);                                                                                                     \
 }
 
 DEFINE_PREFILL_TASK(mm_prefill_attention, bf16, widen, narrow)

@@ -61,6 +61,8 @@ COMPILE_TIMEOUT_S = 120
 ENV_SWITCH = "MMCACHE_CPU_KERNELS"
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# q, q_stride, k, k_stride, v, v_stride, block_size, table, rows, start, out, heads, kv_heads, head_dim, scale
+_PREFILL = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32]
 _PACKED_ISAS = ("", "avx512-bf16", "amx")  # mm_packed_isa's answers
 _SIGNATURES = {
     "mm_rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
@@ -72,8 +74,8 @@ _SIGNATURES = {
     "mm_silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
-    "mm_prefill_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32],
-    "mm_prefill_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32],
+    "mm_prefill_attention": _PREFILL,
+    "mm_prefill_attention_f32": _PREFILL,
     "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "mm_decode_layers": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
 }
@@ -256,7 +258,7 @@ def rotate_vision(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return out
 
 
-PREFILL_HEAD_DIMS = (32, 64, 128)  # the head sizes mm_prefill_attention is built for
+PREFILL_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes mm_prefill_attention is built for
 
 
 def prefill_attention(
@@ -274,28 +276,18 @@ def prefill_attention(
     hold these rows' K/V already: a new (rows, heads, head_dim) tensor. ``q``'s heads contiguous;
     bfloat16 or float32 like the cache."""
     rows, heads, dim = q.shape
-    assert q.stride(2) == 1 and q.stride(1) == dim and cache.is_contiguous() and table.dtype == torch.int64
-    assert (
-        q.dtype == cache.dtype
-        and dim in PREFILL_HEAD_DIMS
-        and table.shape[0] * cache.shape[1] >= start + rows
-    )
+    size = cache.shape[1]
+    assert q.stride(2) == 1 and q.stride(1) == dim and cache.is_contiguous() and q.dtype == cache.dtype
+    assert dim in PREFILL_HEAD_DIMS and table.dtype == torch.int64 and table.shape[0] * size >= start + rows
     out = torch.empty((rows, heads, dim), dtype=q.dtype)
     call = lib.prefill_attention if q.dtype == torch.bfloat16 else lib.prefill_attention_f32
-    call(
-        q.data_ptr(),
-        q.stride(0),
-        cache.data_ptr(),
-        cache.shape[1],
-        table.data_ptr(),
-        rows,
-        start,
-        out.data_ptr(),
-        heads,
-        kv_heads,
-        dim,
-        scale,
-    )
+    slot = 2 * kv_heads * dim  # a cache slot: kv_heads keys, then kv_heads values
+    keys, values = cache.data_ptr(), cache.data_ptr() + kv_heads * dim * cache.element_size()
+    q_rows, table_ids = q.stride(0), table.data_ptr()
+    call(q.data_ptr(), q_rows, keys, slot, values, slot, size, table_ids, rows, start, out.data_ptr(), heads,
+         kv_heads, dim, scale)  # fmt: skip
+    if lib.helpers:
+        lib.pool_rest()  # torch's own threaded operators come next
     return out
 
 

@@ -128,11 +128,17 @@ def _prefill_reference(
     return out[0].transpose(0, 1)
 
 
-# tiny's float32 heads (32 wide), mid's bfloat16 ones (groups of 7) and 128-wide ones; a prompt's
+# tiny's float32 heads (32 wide), mid's bfloat16 ones (groups of 7), 128- and 16-wide ones; a prompt's
 # first rows (start 0), a chunk after 150 cached tokens, and fewer rows than a task's block
 @pytest.mark.parametrize(
     "dtype,dim,heads,kv_heads",
-    [(torch.float32, 32, 4, 2), (BF16, 64, 14, 2), (BF16, 128, 8, 8), (torch.float32, 64, 3, 1)],
+    [
+        (torch.float32, 32, 4, 2),
+        (BF16, 64, 14, 2),
+        (BF16, 128, 8, 8),
+        (torch.float32, 64, 3, 1),
+        (BF16, 16, 4, 4),
+    ],
 )
 @pytest.mark.parametrize("rows,start", [(220, 0), (100, 150), (3, 0), (1, 40)])
 def test_prefill_attention_is_causal_attention_over_the_paged_cache(
