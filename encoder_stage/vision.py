@@ -73,9 +73,10 @@ class VisionTower:
         # bfloat16 on a CPU: each linear's weight packed once for oneDNN (the same results, ~10%
         # less time for a 448² image on the mid checkpoint); elsewhere nothing changes.
         pack_linears(self.model)
-        # bfloat16 on a CPU: the rotary embedding through the compiled kernel (the same bits).
+        # bfloat16 or float32 on a CPU: the rotary embedding through the compiled kernel (the same
+        # bits).
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        kernels = cpu_kernels.usable(probe)
+        kernels = cpu_kernels.usable(probe, dtypes=(torch.bfloat16, torch.float32))
         installed = vision_rotary.install(spec.family.vision_class.split(":")[0])
         self.kernels = kernels if installed else None
         self.image_processor = AutoImageProcessor.from_pretrained(spec.path)

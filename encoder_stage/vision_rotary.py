@@ -42,7 +42,9 @@ def _wrap(original: Rotary) -> Rotary:
 
 def _fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """The shapes and dtypes the kernel takes (anything else runs the original)."""
-    qk = all(t.dim() == 3 and t.dtype == torch.bfloat16 and t.stride(2) == 1 for t in (q, k))
+    qk = q.dtype in (torch.bfloat16, torch.float32) and all(
+        t.dim() == 3 and t.dtype == q.dtype and t.stride(2) == 1 for t in (q, k)
+    )
     tables = all(t.dtype == torch.float32 and t.is_contiguous() for t in (cos, sin))
     return (
         qk

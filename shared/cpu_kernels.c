@@ -150,24 +150,28 @@ DEFINE_ROTATE(mm_rotate, bf16, widen, narrow)
 DEFINE_ROTATE(mm_rotate_f32, float, same, same)
 
 /* A vision tower's rotary embedding (transformers' apply_rotary_pos_emb_vision): x (rows, heads,
- * head_dim) bfloat16, rows and heads row_stride and head_stride apart; cos and sin float32 (rows,
- * head_dim). In float32 x * cos + rotate_half(x) * sin, rounded to bfloat16 once into out (rows,
- * heads, head_dim) contiguous: the reference's operations in its order, so its result bit for bit. */
-void mm_rotate_vision(const bf16 *restrict x, int64_t row_stride, int64_t head_stride, int64_t rows,
-                      int64_t heads, int64_t head_dim, const float *restrict cos,
-                      const float *restrict sin, bf16 *restrict out) {
-    int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_VALUES)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * head_dim, *s = sin + r * head_dim;
-        for (int64_t h = 0; h < heads; h++) {
-            const bf16 *v = x + r * row_stride + h * head_stride;
-            bf16 *o = out + (r * heads + h) * head_dim;
-            for (int64_t d = 0; d < half; d++) o[d] = narrow(widen(v[d]) * c[d] + -widen(v[d + half]) * s[d]);
-            for (int64_t d = half; d < head_dim; d++) o[d] = narrow(widen(v[d]) * c[d] + widen(v[d - half]) * s[d]);
-        }
-    }
+ * head_dim) bfloat16 (mm_rotate_vision) or float32 (mm_rotate_vision_f32), rows and heads
+ * row_stride and head_stride apart; cos and sin float32 (rows, head_dim). In float32 x * cos +
+ * rotate_half(x) * sin, rounded to x's type once into out (rows, heads, head_dim) contiguous: the
+ * reference's operations in its order, so its result bit for bit. */
+#define DEFINE_ROTATE_VISION(NAME, T, LOAD, STORE) \
+void NAME(const T *restrict x, int64_t row_stride, int64_t head_stride, int64_t rows, int64_t heads,                \
+          int64_t head_dim, const float *restrict cos, const float *restrict sin, T *restrict out) {              \
+    int64_t half = head_dim / 2;                                                                                  \
+_Pragma("omp parallel for schedule(static) if (rows * heads * head_dim >= PARALLEL_VALUES)")                      \
+    for (int64_t r = 0; r < rows; r++) {                                                                          \
+        const float *c = cos + r * head_dim, *s = sin + r * head_dim;                                             \
+        for (int64_t h = 0; h < heads; h++) {                                                                     \
+            const T *v = x + r * row_stride + h * head_stride;                                                    \
+            T *o = out + (r * heads + h) * head_dim;                                                              \
+            for (int64_t d = 0; d < half; d++) o[d] = STORE(LOAD(v[d]) * c[d] + -LOAD(v[d + half]) * s[d]);      \
+            for (int64_t d = half; d < head_dim; d++) o[d] = STORE(LOAD(v[d]) * c[d] + LOAD(v[d - half]) * s[d]); \
+        }                                                                                                         \
+    }                                                                                                             \
 }
+
+DEFINE_ROTATE_VISION(mm_rotate_vision, bf16, widen, narrow)
+DEFINE_ROTATE_VISION(mm_rotate_vision_f32, float, same, same)
 
 /* out = silu(gate) * up per row of gate_up = [gate | up] (rows, 2 * width): SiLU rounded, then
  * the product rounded, as eager's two operators. Two passes over a stack buffer of a few hundred

@@ -70,6 +70,7 @@ _SIGNATURES = {
     "mm_rotate": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
     "mm_rotate_f32": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr],
     "mm_rotate_vision": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
+    "mm_rotate_vision_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "mm_silu_mul": [_ptr, _ptr, _i64, _i64],
     "mm_silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "mm_decode_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
@@ -141,6 +142,7 @@ class Kernels:
             "rms_norm": lib.mm_rms_norm_f32,
             "rotate": lib.mm_rotate_f32,
             "silu_mul": lib.mm_silu_mul_f32,
+            "rotate_vision": lib.mm_rotate_vision_f32,
         }
         self.decode_attention = lib.mm_decode_attention
         self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
@@ -239,12 +241,13 @@ def silu_mul(lib: Kernels, gate_up: torch.Tensor) -> torch.Tensor:
 
 def rotate_vision(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' ``apply_rotary_pos_emb_vision`` for one of q, k: ``x`` (rows, heads, head_dim)
-    bfloat16 with its last dimension contiguous, ``cos``/``sin`` (rows, head_dim) float32
-    contiguous; a new contiguous bfloat16 tensor, bit for bit the reference's."""
+    bfloat16 or float32 with its last dimension contiguous, ``cos``/``sin`` (rows, head_dim) float32
+    contiguous; a new contiguous tensor of ``x``'s type, bit for bit the reference's."""
     rows, heads, dim = x.shape
     assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty((rows, heads, dim), dtype=x.dtype)
-    lib.rotate_vision(
+    call = lib.rotate_vision if x.dtype == torch.bfloat16 else lib.float32["rotate_vision"]
+    call(
         x.data_ptr(),
         x.stride(0),
         x.stride(1),

@@ -19,9 +19,12 @@ def _module(path) -> object:
     return importlib.import_module(ModelSpec.load(path).family.vision_class.split(":")[0])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", TINY_MODEL_ARCHS)
-def test_embeddings_with_the_kernel_equal_transformers_bit_for_bit(tiny_models, arch: str) -> None:
-    tower = VisionTower(ModelSpec.load(tiny_models[arch]), device="cpu", dtype="bfloat16")
+def test_embeddings_with_the_kernel_equal_transformers_bit_for_bit(
+    tiny_models, arch: str, dtype: str
+) -> None:
+    tower = VisionTower(ModelSpec.load(tiny_models[arch]), device="cpu", dtype=dtype)
     assert tower.kernels is not None  # a C compiler is installed (scripts/setup)
     pixels = torch.randint(
         0, 256, (1, 3, 224, 448), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
@@ -63,10 +66,10 @@ def test_the_wrapper_is_the_reference_outside_our_forward_and_the_kernel_inside(
     assert lib is not None
     with vision_rotary.active(lib):
         inside = wrapped(q, k, cos, sin)
-        float_q = wrapped(q.float(), k.float(), cos, sin)  # not a shape the kernel takes: the reference
+        float_q = wrapped(q.float(), k.float(), cos, sin)
+        half_q = wrapped(q.half(), k.half(), cos, sin)  # not a type the kernel takes: the reference
     for got, want in zip(inside, expected, strict=True):
         assert torch.equal(got, want)
-    assert all(
-        torch.equal(a, b) for a, b in zip(float_q, original(q.float(), k.float(), cos, sin), strict=True)
-    )
+    for args, got in (((q.float(), k.float()), float_q), ((q.half(), k.half()), half_q)):
+        assert all(torch.equal(a, b) for a, b in zip(got, original(*args, cos, sin), strict=True))
     assert vision_rotary._ACTIVE.get() is None  # the block restored the reference for everyone else
