@@ -197,26 +197,9 @@ _Pragma("omp parallel for schedule(static) if (rows * width >= PARALLEL_VALUES)"
 DEFINE_SILU_MUL(mm_silu_mul, bf16, widen, narrow)
 DEFINE_SILU_MUL(mm_silu_mul_f32, float, same, same)
 
-/* Softmax of one query's scores in place. */
-static void softmax_(float *s, int64_t length) {
-    float top[LANES];
-    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
-    int64_t t = 0;
-    for (; t + LANES <= length; t += LANES)
-        for (int l = 0; l < LANES; l++) top[l] = s[t + l] > top[l] ? s[t + l] : top[l];
-    for (; t < length; t++) top[t % LANES] = s[t] > top[t % LANES] ? s[t] : top[t % LANES];
-    float most = top[0];
-    for (int l = 1; l < LANES; l++) most = top[l] > most ? top[l] : most;
-    for (t = 0; t < length; t++) s[t] = exp_approx(s[t] - most);
-    lanes_t sums = {0};
-    for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);
-    for (; t < length; t++) sums[t % LANES] += s[t];
-    float total = fold(sums);
-    for (t = 0; t < length; t++) s[t] /= total;
-}
-
 /* exp(s - max s) in place over one query's scores, and their sum: a softmax whose division is left
- * to the caller (prefill attention divides each output's head_dim sums instead of every score). */
+ * to the caller (prefill attention divides each output's head_dim sums instead of every score;
+ * softmax_ divides each score). */
 static float exp_sum_(float *s, int64_t length) {
     float top[LANES];
     for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
@@ -231,6 +214,12 @@ static float exp_sum_(float *s, int64_t length) {
     for (t = 0; t + LANES <= length; t += LANES) sums += load_lanes(s + t);
     for (; t < length; t++) sums[t % LANES] += s[t];
     return fold(sums);
+}
+
+/* Softmax of one query's scores in place. */
+static void softmax_(float *s, int64_t length) {
+    float total = exp_sum_(s, length);
+    for (int64_t t = 0; t < length; t++) s[t] /= total;
 }
 
 /* One query token of each of `batch` sequences attending over its cached keys and values, for a
@@ -447,11 +436,11 @@ DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
  * First each kv head's keys are laid out once, transposed in float32 tiles of LANES keys, so a
  * query's scores for LANES keys are head_dim vector products and sums (no folding of lanes per key),
  * and its values widened once. Then a task is PREFILL_ROWS rows of one kv head, four rows a pass,
- * their sums in registers. A row's arithmetic does not
- * depend on which task, chunk or step computes it: each score sums over head_dim in order, softmax_
- * runs over the row's own keys (its division left to the outputs: head_dim divisions, not one a key),
- * each output sums over keys in order. So a prompt computed in one
- * step, in chunks, or after a prefix hit gives each row the same attention from the same K/V. */
+ * their sums in registers. A row's arithmetic does not depend on which task, chunk or step
+ * computes it: each score sums over head_dim in order, the softmax (exp_sum_) runs over the row's
+ * own keys with its division left to the outputs (head_dim divisions, not one a key), each output
+ * sums over keys in order. So a prompt computed in one step, in chunks, or after a prefix hit gives
+ * each row the same attention from the same K/V. */
 #define PREFILL_ROWS 16
 #define PREFILL_QUERIES 4 /* query rows of one head scored and summed together */
 
