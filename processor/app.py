@@ -574,7 +574,7 @@ async def _detokenize(request: web.Request) -> web.Response:
 async def _max_model_len(app: web.Application) -> int:
     """The LLM stage's context (its replicas' smallest), as their last health answers say."""
     _, llms = await app[STAGES].health()
-    lens = [int(h.pong.info["max_model_len"]) for h in llms if h.pong and "max_model_len" in h.pong.info]
+    lens = [h.pong.max_model_len for h in llms if h.pong and h.pong.max_model_len]
     if not lens:
         raise APIError(503, "no LLM replica answers", "stage_unavailable")
     return min(lens)
