@@ -67,6 +67,11 @@ def install(module_name: str) -> bool:
     return True
 
 
+def kernels() -> cpu_kernels.Kernels | None:
+    """The kernels :func:`active` holds here (None outside it): the vision attention reads them too."""
+    return _ACTIVE.get()
+
+
 @contextmanager
 def active(lib: cpu_kernels.Kernels | None) -> Iterator[None]:
     """Run the wrapped functions through ``lib`` inside the block (None: the originals)."""

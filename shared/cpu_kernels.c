@@ -596,3 +596,154 @@ void NAME(const T *q, int64_t q_stride, const T *k, int64_t k_stride, const T *v
 
 DEFINE_PREFILL_TASK(mm_prefill_attention, bf16, widen, narrow)
 DEFINE_PREFILL_TASK(mm_prefill_attention_f32, float, same, same)
+
+/* Vision attention: every row of one image (or video chunk) attends over all of its n rows, no
+ * mask (a vision tower's attention within one item of its batch), for bfloat16
+ * (mm_vision_attention) or float32 (mm_vision_attention_f32) q, k, v and out. q, k, v: (n, heads,
+ * head_dim) with rows q_stride, k_stride, v_stride apart and heads head_dim apart; out: (n, heads,
+ * head_dim) contiguous.
+ *
+ * Rows in lanes: a task is LANES rows of one head, their queries (times the scale) transposed into
+ * head_dim registers of LANES rows, so one key's score for all LANES rows is head_dim multiply-adds
+ * of a broadcast key element, and the softmax's maximum and sum are per lane (no folding). Three
+ * passes over the row block's scores (n x LANES floats): scores and their maximum, exp and sum,
+ * then the weighted values, head_dim sums of a broadcast value element times LANES weights. A row's
+ * arithmetic depends only on its own query and the item's keys and values: which rows share its
+ * task, or which other items share the tower's batch, never changes its bits. Multiply-adds are
+ * fused here (the one kernel compiled so): for 16-wide heads the products are the work. */
+#define VISION_KEYS 8 /* keys one pass scores together: independent sums in flight */
+#define VISION_SUMS 64 /* keys summed apart before joining a row's total (as close as torch's blocked sums) */
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    int64_t q_stride, k_stride, v_stride, n, heads, head_dim, blocks;
+    float scale;
+    float *keys; /* per head: its keys then its values, (n, head_dim) float32 each */
+} vision_t;
+
+typedef int32_t lanes_mask_t __attribute__((vector_size(LANES * sizeof(int32_t))));
+static inline lanes_t lanes_max(lanes_t a, lanes_t b) {
+    lanes_mask_t keep = a >= b, x, y;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    x = (x & keep) | (y & ~keep);
+    memcpy(&a, &x, sizeof a);
+    return a;
+}
+
+/* exp_approx on LANES values at once (x <= 0 here: a score less the maximum), in registers: the
+ * range reduction rounds to nearest by adding and removing 1.5 * 2^23. */
+static inline lanes_t exp_lanes(lanes_t x) {
+    const lanes_t low = (lanes_t){0} - 87.3365447504019f, round = (lanes_t){0} + 12582912.0f;
+    x = lanes_max(x, low);
+    lanes_t n = (x * 1.44269504088896341f + round) - round;
+    lanes_t r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    lanes_t p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    lanes_mask_t bits = (__builtin_convertvector(n, lanes_mask_t) + 127) << 23;
+    lanes_t scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+static inline __attribute__((always_inline)) void vision_rows(const vision_t *a, int64_t h, int64_t r0,
+                                                               const float *restrict qt, float *restrict s,
+                                                               float *restrict o, const int64_t head_dim) {
+    const float *restrict k = a->keys + h * a->n * head_dim * 2, *restrict v = k + a->n * head_dim;
+    int64_t n = a->n;
+    lanes_t top = {0};
+    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + VISION_KEYS <= n; j += VISION_KEYS) {
+        lanes_t acc[VISION_KEYS] = {{0}};
+        for (int64_t d = 0; d < head_dim; d++) {
+            lanes_t x = load_lanes(qt + d * LANES);
+            for (int m = 0; m < VISION_KEYS; m++) acc[m] += k[(j + m) * head_dim + d] * x;
+        }
+        for (int m = 0; m < VISION_KEYS; m++) {
+            memcpy(s + (j + m) * LANES, &acc[m], sizeof(lanes_t));
+            top = lanes_max(top, acc[m]);
+        }
+    }
+    for (; j < n; j++) {
+        lanes_t acc = {0};
+        for (int64_t d = 0; d < head_dim; d++) acc += k[j * head_dim + d] * load_lanes(qt + d * LANES);
+        memcpy(s + j * LANES, &acc, sizeof(lanes_t));
+        top = lanes_max(top, acc);
+    }
+    lanes_t total = {0};
+    for (int64_t j0 = 0; j0 < n; j0 += VISION_SUMS) {
+        lanes_t part = {0};
+        for (j = j0; j < n && j < j0 + VISION_SUMS; j++) {
+            lanes_t p = exp_lanes(load_lanes(s + j * LANES) - top);
+            memcpy(s + j * LANES, &p, sizeof p);
+            part += p;
+        }
+        total += part;
+    }
+    for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {
+        lanes_t acc[LANES] = {{0}};
+        for (int64_t j0 = 0; j0 < n; j0 += VISION_SUMS) {
+            lanes_t part[LANES] = {{0}};
+            for (j = j0; j < n && j < j0 + VISION_SUMS; j++) {
+                lanes_t p = load_lanes(s + j * LANES);
+                for (int64_t d = 0; d < LANES; d++) part[d] += v[j * head_dim + d0 + d] * p;
+            }
+            for (int64_t d = 0; d < LANES; d++) acc[d] += part[d];
+        }
+        for (int64_t d = 0; d < LANES; d++) {
+            lanes_t r = acc[d] / total;
+            memcpy(o + (d0 + d) * LANES, &r, sizeof(lanes_t));
+        }
+    }
+}
+#define DEFINE_VISION_ATTENTION(NAME, T, LOAD, STORE) \
+static void NAME##_task(const vision_t *a, int64_t task, float *scratch) {                                          \
+    int64_t h = task % a->heads, r0 = task / a->heads * LANES, d = a->head_dim;                                  \
+    float *qt = scratch, *o = qt + d * LANES, *s = o + d * LANES;                                               \
+    for (int64_t i = 0; i < d; i++)                                                                              \
+        for (int l = 0; l < LANES; l++)                                                                          \
+            qt[i * LANES + l] = r0 + l < a->n ? LOAD(((const T *)a->q)[(r0 + l) * a->q_stride + h * d + i]) * a->scale : 0.0f; \
+    if (d == 16)                                                                                                 \
+        vision_rows(a, h, r0, qt, s, o, 16);                                                                     \
+    else if (d == 32)                                                                                            \
+        vision_rows(a, h, r0, qt, s, o, 32);                                                                     \
+    else if (d == 64)                                                                                            \
+        vision_rows(a, h, r0, qt, s, o, 64);                                                                     \
+    else                                                                                                         \
+        vision_rows(a, h, r0, qt, s, o, d);                                                                      \
+    for (int l = 0; l < LANES && r0 + l < a->n; l++)                                                             \
+        for (int64_t i = 0; i < d; i++) ((T *)a->out)[((r0 + l) * a->heads + h) * d + i] = STORE(o[i * LANES + l]); \
+}                                                                                                                \
+void NAME(const T *q, int64_t q_stride, const T *k, int64_t k_stride, const T *v, int64_t v_stride, int64_t n,  \
+          int64_t heads, int64_t head_dim, float scale, T *out) {                                               \
+    int64_t blocks = (n + LANES - 1) / LANES, d = head_dim;                                                       \
+    vision_t a = {q, k, v, out, q_stride, k_stride, v_stride, n, heads, head_dim, blocks, scale, NULL};           \
+    a.keys = malloc(sizeof(float) * (size_t)(heads * n * d * 2));                                                 \
+_Pragma("omp parallel for schedule(static) if (n * heads * d >= PARALLEL_VALUES)")                               \
+    for (int64_t j = 0; j < n; j++)                                                                              \
+        for (int64_t g = 0; g < heads; g++) {                                                                    \
+            float *kk = a.keys + g * n * d * 2 + j * d, *vv = kk + n * d;                                        \
+            for (int64_t i = 0; i < d; i++) kk[i] = LOAD(k[j * k_stride + g * d + i]);                           \
+            for (int64_t i = 0; i < d; i++) vv[i] = LOAD(v[j * v_stride + g * d + i]);                           \
+        }                                                                                                        \
+_Pragma("omp parallel if (blocks * heads > 1 && n * n * heads * d >= PARALLEL_VALUES)")                          \
+    {                                                                                                            \
+        float *scratch = malloc(sizeof(float) * (size_t)(2 * d * LANES + n * LANES));                            \
+_Pragma("omp for schedule(dynamic)")                                                                             \
+        for (int64_t task = 0; task < blocks * heads; task++) NAME##_task(&a, task, scratch);                    \
+        free(scratch);                                                                                           \
+    }                                                                                                            \
+    free(a.keys);                                                                                                \
+}
+
+DEFINE_VISION_ATTENTION(mm_vision_attention, bf16, widen, narrow)
+DEFINE_VISION_ATTENTION(mm_vision_attention_f32, float, same, same)
+#pragma GCC pop_options

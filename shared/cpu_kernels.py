@@ -18,7 +18,8 @@ whatever the number of rows, so batching never changes a row. Prefill attention 
 prompt row's attention is the same whether its prompt ran in one step, in chunks, or from a prefix
 hit on (given the same cached K/V); a single-token decode takes decode attention, which sums in
 another order. The vision towers' rotary embedding (``mm_rotate_vision``,
-:mod:`mmcache.encoder_stage.vision_rotary`) is here too.
+:mod:`mmcache.encoder_stage.vision_rotary`) and attention (``mm_vision_attention``,
+:mod:`mmcache.encoder_stage.vision_attention`) are here too.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # q, q_stride, k, k_stride, v, v_stride, block_size, table, rows, start, out, heads, kv_heads, head_dim, scale
 _PREFILL = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32]
 _PACKED_ISAS = ("", "avx512-bf16", "amx")  # mm_packed_isa's answers
+_VISION = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr]
 _SIGNATURES = {
     "mm_rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "mm_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
@@ -77,6 +79,8 @@ _SIGNATURES = {
     "mm_decode_attention_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32],
     "mm_prefill_attention": _PREFILL,
     "mm_prefill_attention_f32": _PREFILL,
+    "mm_vision_attention": _VISION,
+    "mm_vision_attention_f32": _VISION,
     "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "mm_decode_layers": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
 }
@@ -148,6 +152,8 @@ class Kernels:
         self.decode_attention_f32 = lib.mm_decode_attention_f32  # a float32 cache, query and output
         self.prefill_attention = lib.mm_prefill_attention
         self.prefill_attention_f32 = lib.mm_prefill_attention_f32
+        self.vision_attention = lib.mm_vision_attention
+        self.vision_attention_f32 = lib.mm_vision_attention_f32
         self.packed_product = lib.mm_packed_product
         self.decode_layers = lib.mm_decode_layers  # cpu_layers.c
         lib.mm_decode_scratch.argtypes, lib.mm_decode_scratch.restype = [_ptr, _i64], _i64
@@ -291,6 +297,23 @@ def prefill_attention(
          kv_heads, dim, scale)  # fmt: skip
     if lib.helpers:
         lib.pool_rest()  # torch's own threaded operators come next
+    return out
+
+
+def vision_attention(
+    lib: Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of every row of one vision item over all of its rows (no mask): ``q``, ``k``,
+    ``v`` (n, heads, head_dim), bfloat16 or float32, each head's values contiguous, rows any
+    stride; a new (n, heads, head_dim) tensor. head_dim a multiple of 16."""
+    n, heads, dim = q.shape
+    for t in (q, k, v):
+        assert t.shape == q.shape and t.dtype == q.dtype and t.stride(2) == 1 and t.stride(1) == dim
+    assert dim % 16 == 0
+    out = torch.empty((n, heads, dim), dtype=q.dtype)
+    call = lib.vision_attention if q.dtype == torch.bfloat16 else lib.vision_attention_f32
+    rows = (q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0))
+    call(*rows, n, heads, dim, scale, out.data_ptr())
     return out
 
 

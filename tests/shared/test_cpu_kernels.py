@@ -166,6 +166,33 @@ def test_prefill_attention_is_causal_attention_over_the_paged_cache(
     assert torch.equal(torch.cat(pieces), ours)
 
 
+# tiny's vision heads (16 wide), mid's (64 wide) and Qwen2-VL-2B's (80 wide); an item of one row, rows
+# fewer than a task's block, a patch grid's 1024, and a count not a multiple of the 8 keys a pass scores
+@pytest.mark.parametrize("dtype,dim,heads", [(torch.float32, 16, 4), (BF16, 64, 10), (torch.float32, 80, 3)])
+@pytest.mark.parametrize("n", [1, 13, 1024, 301])
+def test_vision_attention_is_unmasked_attention_within_the_item(
+    lib, dtype: torch.dtype, dim: int, heads: int, n: int
+) -> None:
+    # q, k, v as a tower's qkv projection leaves them: views of one (n, 3, heads, dim) tensor
+    q, k, v = (torch.randn(n, 3, heads, dim, generator=_gen(12)) * 2).to(dtype).unbind(1)
+    ours = cpu_kernels.vision_attention(lib, q, k, v, dim**-0.5)
+    reference = F.scaled_dot_product_attention(
+        *(t.double().transpose(0, 1)[None] for t in (q, k, v)), scale=dim**-0.5
+    )[0].transpose(0, 1)
+    assert ours.shape == (n, heads, dim) and ours.dtype == dtype
+    if dtype == BF16:  # one rounding of the float32 result to bfloat16
+        torch.testing.assert_close(ours.double(), reference, atol=1e-2, rtol=1e-2)
+    else:  # float32 sums over up to 1024 keys: as close as torch's own float32 attention, or closer
+        heads_first = (t.transpose(0, 1)[None] for t in (q, k, v))
+        torch_f32 = F.scaled_dot_product_attention(*heads_first, scale=dim**-0.5)
+        torch_error = (torch_f32[0].transpose(0, 1).double() - reference).abs().max().item()
+        assert (ours.double() - reference).abs().max().item() <= max(2 * torch_error, 1e-6)
+    # A row's bits depend on its query and the item's keys and values alone, not on which rows
+    # share its block: the queries in another order give the same rows in that order.
+    order = torch.randperm(n, generator=_gen(13))
+    assert torch.equal(cpu_kernels.vision_attention(lib, q[order], k, v, dim**-0.5), ours[order]) or n == 1
+
+
 class _Cache:
     """What SdpaBackend reads of a KV cache: blocks of one layer, their size and kv heads."""
 
