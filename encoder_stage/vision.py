@@ -111,7 +111,9 @@ class VisionTower:
     def encode(self, chunks: list[VisionInput]) -> list[torch.Tensor]:
         """One forward over all chunks; returns (tokens, feature_sets, hidden) rows per chunk, on the CPU."""
         prepared = [self.patches(c) for c in chunks]
-        pixel_values = torch.cat([p for p, _ in prepared]).to(self.dtype)
+        # one chunk (a lone image, the usual case): its patches as they are, not copied by a cat
+        patches = [p for p, _ in prepared]
+        pixel_values = (patches[0] if len(patches) == 1 else torch.cat(patches)).to(self.dtype)
         grid_thw = torch.tensor([g for _, g in prepared], dtype=torch.long, device=self.device)
         with vision_rotary.active(self.kernels):
             out = self.model(pixel_values, grid_thw=grid_thw)
