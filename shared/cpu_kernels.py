@@ -49,7 +49,7 @@ HEADERS = [Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_ops.h"
 FLAGS = [
     "-O3",
     "-march=native",
-    "-ffp-contract=off",  # no fused multiply-adds: each product and sum rounded as written
+    "-ffp-contract=off",  # no fused multiply-adds (but in the attention kernels that ask for them)
     "-fno-math-errno",
     "-fno-trapping-math",  # lets gcc vectorise floorf (the exp's range reduction)
     "-fopenmp",
