@@ -62,8 +62,9 @@ OTHER_VARIABLES: tuple[tuple[str, str, str], ...] = (
     (
         "MMCACHE_CPU_KERNELS",
         "`1`",
-        "`0`: the LLM stage runs its layers' small operators as eager PyTorch instead of the C kernels it "
-        "compiles at first use for bfloat16 on a CPU ([performance](performance.md))",
+        "`0`: the stages run eager PyTorch (SDPA for attention) instead of the C kernels they compile at "
+        "first use on a CPU: the LLM layers' operators and attention, the vision towers' rotary embedding "
+        "and attention ([performance](performance.md))",
     ),
     ("MMCACHE_BENCH_QUICK", "off", "`mmcache bench` runs the short versions"),
     (
