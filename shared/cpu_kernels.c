@@ -424,6 +424,13 @@ _Pragma("omp parallel for schedule(static) if (tasks * longest * head_dim >= PAR
 DEFINE_DECODE_ATTENTION(mm_decode_attention, bf16, attend_head_bf16)
 DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
 
+/* From here to the end (prefill and vision attention) multiply-adds are fused, unlike the rest of
+ * the library (cpu_kernels.py's -ffp-contract=off): their products are the work (1.3-1.5x faster),
+ * and a fused multiply-add is as deterministic as a product and a sum, so a row's bits still
+ * depend only on its own inputs. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
 /* Prefill attention: query rows start .. start + rows - 1 of one sequence, row r attending over the
  * keys and values of tokens 0 .. start + r (its own included: the step's K/V are in the cache
  * already), for bfloat16 (mm_prefill_attention) or float32 (mm_prefill_attention_f32) q, K, V and
@@ -441,12 +448,6 @@ DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
  * own keys with its division left to the outputs (head_dim divisions, not one a key), each output
  * sums over keys in order. So a prompt computed in one step, in chunks, or after a prefix hit gives
  * each row the same attention from the same K/V. */
-/* From here to the end (prefill and vision attention) multiply-adds are fused, unlike the rest of
- * the library (cpu_kernels.py's -ffp-contract=off): their products are the work (1.3-1.5x faster),
- * and a fused multiply-add is as deterministic as a product and a sum, so a row's bits still
- * depend only on its own inputs. */
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
 #define PREFILL_ROWS 16
 #define PREFILL_QUERIES 4 /* query rows of one head scored and summed together */
 
@@ -711,9 +712,10 @@ static inline __attribute__((always_inline)) void vision_rows(const vision_t *a,
 static void NAME##_task(const vision_t *a, int64_t task, float *scratch) {                                          \
     int64_t h = task % a->heads, r0 = task / a->heads * LANES, d = a->head_dim;                                  \
     float *qt = scratch, *o = qt + d * LANES, *s = o + d * LANES;                                               \
+    const T *q = a->q;                                                                                           \
     for (int64_t i = 0; i < d; i++)                                                                              \
         for (int l = 0; l < LANES; l++)                                                                          \
-            qt[i * LANES + l] = r0 + l < a->n ? LOAD(((const T *)a->q)[(r0 + l) * a->q_stride + h * d + i]) * a->scale : 0.0f; \
+            qt[i * LANES + l] = r0 + l < a->n ? LOAD(q[(r0 + l) * a->q_stride + h * d + i]) * a->scale : 0.0f;         \
     if (d == 16)                                                                                                 \
         vision_rows(a, h, r0, qt, s, o, 16);                                                                     \
     else if (d == 32)                                                                                            \
