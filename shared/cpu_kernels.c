@@ -41,20 +41,26 @@ static inline bf16 narrow(float f) {
     return f != f ? (bf16)0x7fc0 : (bf16)rounded;
 }
 
+/* Cephes' expf polynomial of x after its reduction by n ln 2 (n = x / ln 2 rounded), for a float
+ * or a vector of them (exp_approx, exp_lanes): P = exp(x - n ln 2), to be scaled by 2^n. */
+#define EXP_REDUCED(T, x, n, P)                                                                          \
+    do {                                                                                                 \
+        T r_ = (x) - (n) * 0.693359375f;                                                                 \
+        r_ = r_ - (n) * -2.12194440e-4f;                                                                 \
+        P = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                                    \
+        P = P * r_ + 8.3334519073e-3f;                                                                   \
+        P = P * r_ + 4.1665795894e-2f;                                                                   \
+        P = P * r_ + 1.6666665459e-1f;                                                                   \
+        P = P * r_ + 5.0000001201e-1f;                                                                   \
+        P = P * r_ * r_ + r_ + 1.0f;                                                                     \
+    } while (0)
+
 /* exp on float32 (Cephes' expf polynomial after reduction by ln 2), branch free so loops vectorize. */
 static inline float exp_approx(float x) {
     x = x > 88.3762626647949f ? 88.3762626647949f : x;
     x = x < -87.3365447504019f ? -87.3365447504019f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f), p;
+    EXP_REDUCED(float, x, n, p);
     union { uint32_t bits; float value; } scale = {.bits = (uint32_t)((int32_t)n + 127) << 23};
     return p * scale.value;
 }
@@ -642,15 +648,8 @@ static inline lanes_t lanes_max(lanes_t a, lanes_t b) {
 static inline lanes_t exp_lanes(lanes_t x) {
     const lanes_t low = (lanes_t){0} - 87.3365447504019f, round = (lanes_t){0} + 12582912.0f;
     x = lanes_max(x, low);
-    lanes_t n = (x * 1.44269504088896341f + round) - round;
-    lanes_t r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    lanes_t p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    lanes_t n = (x * 1.44269504088896341f + round) - round, p;
+    EXP_REDUCED(lanes_t, x, n, p);
     lanes_mask_t bits = (__builtin_convertvector(n, lanes_mask_t) + 127) << 23;
     lanes_t scale;
     memcpy(&scale, &bits, sizeof scale);
