@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from mmcache.llm_stage.attention import AttentionBackend, SdpaBackend
 from mmcache.llm_stage.block_manager import BlockCopy
@@ -164,9 +163,7 @@ class ModelRunner:
         return w.down.add_to(hidden, w.act(gate) * up)
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        if self.kernels is not None:
-            return cpu_kernels.rms_norm(self.kernels, hidden, weight, w.eps)
-        return F.rms_norm(hidden, w.norm_shape, weight, w.eps)
+        return cpu_kernels.rms_norm_or_eager(self.kernels, hidden, weight, w.eps)
 
     def decode_logits(self, ids: torch.Tensor, rope: _Rope, plan: Any) -> torch.Tensor:
         """Logits (float32) of rows that each compute one generated token (no media rows, no prompt

@@ -38,7 +38,6 @@ class LayerWeights:
     # :meth:`~mmcache.shared.linear.Projection.prescaled`), so the layer calls ``prescaled``.
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    norm_shape: tuple[int]
     eps: float
     # Qwen3 layers: norm weights of each query head, then each kv head: (heads + kv_heads, head_dim)
     qk_norm: torch.Tensor | None = None
@@ -101,7 +100,6 @@ def _layer_weights(layer: Any, heads: int, kv_heads: int) -> LayerWeights:
         act=None if moe else mlp.act_fn,
         input_norm=_scaled(norm.weight, qkv_proj.input_scale),
         post_norm=_scaled(layer.post_attention_layernorm.weight, gate_up.input_scale if gate_up else 1.0),
-        norm_shape=(norm.weight.shape[0],),
         eps=norm.variance_epsilon,
         qk_norm=qk_norm,
         qk_eps=qk_eps,
@@ -150,6 +148,9 @@ class TextLM(nn.Module):
             if self.head.packed and not tied:
                 empty = self.lm_head.weight.new_empty((0, config.hidden_size))
                 self.lm_head.weight = nn.Parameter(empty, requires_grad=False)
+        # NOTE: the head's norm compiled where the layers' are (model_runner): torch's wakes its
+        # sleeping OpenMP threads for a row or two (~0.2 ms of a `mid` decode step on two threads).
+        self.kernels = cpu_kernels.usable(self.head_norm, dtypes=(torch.bfloat16, torch.float32))
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -163,14 +164,8 @@ class TextLM(nn.Module):
         return self.model.rotary_emb(hidden[None], positions[:, None, :])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        norm = self.model.norm
-        # NOTE: the compiled norm where the layers use it: torch's wakes its sleeping OpenMP threads
-        # for a row or two (~0.2 ms of a `mid` decode step on two threads, 2026-12-07).
-        lib = cpu_kernels.usable(hidden, dtypes=(torch.bfloat16, torch.float32))
-        if lib is not None and hidden.stride(-1) == 1:
-            normed = cpu_kernels.rms_norm(lib, hidden, self.head_norm, norm.variance_epsilon)
-        else:
-            normed = F.rms_norm(hidden, norm.weight.shape, self.head_norm, norm.variance_epsilon)
+        eps = self.model.norm.variance_epsilon
+        normed = cpu_kernels.rms_norm_or_eager(self.kernels, hidden, self.head_norm, eps)
         return self.head.prescaled(normed).float()
 
     def step_weight_bytes(self) -> int:

@@ -225,6 +225,13 @@ def rms_norm(lib: Kernels, x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return out
 
 
+def rms_norm_or_eager(lib: Kernels | None, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` where ``lib`` is given, else ``F.rms_norm`` (``weight`` 1-D)."""
+    if lib is not None:
+        return rms_norm(lib, x, weight, eps)
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+
 def rotate_(lib: Kernels, x: torch.Tensor, cos: torch.Tensor, folded_sin: torch.Tensor) -> None:
     """Rotary embedding in place on ``x`` (rows, heads, head_dim), heads contiguous; ``cos`` and
     ``folded_sin`` (rows, head_dim) contiguous."""
