@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -182,10 +183,14 @@ def stack(tiny_model):
 _killed: set[str] = set()  # addresses of the LLM replicas lost so far
 
 
-def kill_busiest(stack: Stack) -> list[int]:
-    """SIGKILL the live LLM replica running the most requests; the live replicas' loads."""
+def kill_busiest(stack: Stack, backlog: int = 1, within: float = 10.0) -> list[int]:
+    """SIGKILL the live LLM replica running the most requests, once one runs ``backlog`` or more
+    (asked again until then, for up to ``within`` seconds); the live replicas' loads."""
     live = [a for a in stack.llms if a not in _killed]
+    deadline = time.monotonic() + within
     load = llm_loads(live)
+    while max(load) < backlog and time.monotonic() < deadline:
+        load = llm_loads(live)
     address = live[load.index(max(load))]
     _killed.add(address)
     stack.procs[len(stack.encoders) + stack.llms.index(address)].send_signal(signal.SIGKILL)
@@ -220,9 +225,10 @@ def test_a_killed_llm_replica_moves_logprobs_choices_grammars_and_tool_calls_int
 
 
 def test_requests_without_a_token_yet_are_sent_again_when_their_llm_replica_is_lost(stack):
-    """The busiest replica is killed as the first stream gets its first tokens: the requests on
-    it that had none yet (their images still being encoded, or prefilling) start again on
-    another replica, the others move mid-answer; the answers are the uninterrupted ones."""
+    """The busiest replica is killed as the first streams get their first tokens, once one
+    replica holds several requests: those on it that had none yet (their images still being
+    encoded, or prefilling) start again on another replica, the others move mid-answer; the
+    answers are the uninterrupted ones."""
 
     def load(salt: str) -> list[dict]:
         return stream_bodies(MODEL, salt, 6000, 24, 24, side=336)
@@ -230,8 +236,11 @@ def test_requests_without_a_token_yet_are_sent_again_when_their_llm_replica_is_l
     want, _ = run_all("127.0.0.1", stack.port, load("uninterrupted-retry"))
     before = failover_counters(stack.url)
     loads: list[int] = []
+    # NOTE: the client's threads send their bodies over a while; the first stream can have its
+    # first tokens before the rest reach a replica (a CI run killed one at loads [0, 0], and the
+    # later requests all went around it): wait until a replica holds a backlog.
     got, window = run_all(
-        "127.0.0.1", stack.port, load("killed-retry"), early=lambda: loads.extend(kill_busiest(stack))
+        "127.0.0.1", stack.port, load("killed-retry"), early=lambda: loads.extend(kill_busiest(stack, 4))
     )
     delta = failover_delta(stack.url, before)
     print(f"\nLLM load at the kill {loads}")
