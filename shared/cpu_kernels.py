@@ -1,5 +1,5 @@
 """The decoder layer's small operators in one pass each, on bfloat16 or float32 CPU tensors
-(``cpu_kernels.c``).
+(``cpu_kernels.c``, attention in ``cpu_attention.c``).
 
 Between its weight products a decoder layer runs an RMSNorm, the rotary embedding, attention over
 the cache and SiLU(gate) * up. Eager PyTorch spends ~35 operators a layer on them (the RMSNorm alone
@@ -39,13 +39,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# The small operators, the few-row weight product (``cpu_packed.c``, used by shared/linear.py),
-# the helper threads both share (``cpu_pool.c``), and a decode step's layers built of them
-# (``cpu_layers.c``, used by shared/cpu_layers.py).
-SOURCES = [
-    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_packed.c", "cpu_pool.c", "cpu_layers.c")
-]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_ops.h")]
+# The small operators (``cpu_kernels.c``), attention (``cpu_attention.c``), the few-row weight
+# product (``cpu_packed.c``, used by shared/linear.py), the helper threads they share
+# (``cpu_pool.c``), and a decode step's layers built of them (``cpu_layers.c``, used by
+# shared/cpu_layers.py).
+_SOURCE_NAMES = ("cpu_kernels.c", "cpu_attention.c", "cpu_packed.c", "cpu_pool.c", "cpu_layers.c")
+SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_ops.h", "cpu_lanes.h")]
 FLAGS = [
     "-O3",
     "-march=native",

@@ -1,10 +1,11 @@
 /* A decode step's decoder layers in one call (shared/cpu_layers.py).
  *
  * The layer of llm_stage/model_runner.py, operator for operator: the same compiled functions
- * (cpu_kernels.c's norm, rotation, attention and SiLU, cpu_packed.c's products) on the same
- * inputs, so the result is the Python loop's bit for bit. Only the ~10 calls a layer from
- * Python go: on the `mid` checkpoint (24 layers) ~240 ctypes calls and tensor allocations, ~2 ms
- * of a ~22 ms decode step on the AMD EPYC, during which the kernels' helper threads idle.
+ * (cpu_kernels.c's norm, rotation and SiLU, cpu_attention.c's attention, cpu_packed.c's
+ * products) on the same inputs, so the result is the Python loop's bit for bit. Only the ~10
+ * calls a layer from Python go: on the `mid` checkpoint (24 layers) ~240 ctypes calls and tensor
+ * allocations, ~2 ms of a ~22 ms decode step on the AMD EPYC, during which the kernels' helper
+ * threads idle.
  */
 #include <stdint.h>
 #include <string.h>

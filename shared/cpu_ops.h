@@ -13,6 +13,7 @@ void mm_rms_norm(const bf16 *x, int64_t x_stride, const bf16 *weight, bf16 *out,
 void mm_rotate(bf16 *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim, const bf16 *cos,
                const bf16 *folded_sin);
 void mm_silu_mul(const bf16 *restrict gate_up, bf16 *restrict out, int64_t rows, int64_t width);
+/* cpu_attention.c */
 void mm_decode_attention(const bf16 *q, int64_t q_stride, const bf16 *cache, int64_t block_size,
                          const int64_t *tables, int64_t width, const int64_t *lengths, bf16 *out, int64_t batch,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, float scale);

@@ -373,10 +373,10 @@ def test_new_question_about_a_cached_image_copies_the_image_tail_and_agrees(env:
 
 
 def test_bfloat16_cpu_kernels_batch_rows_as_they_compute_alone(env: Env):
-    """In bfloat16 on a CPU a layer's norms, rotary, SiLU and decode attention run as compiled
-    kernels (``shared/cpu_kernels.c``) that compute a row the same way whatever its neighbours:
-    six sequences admitted one step apart (each prefill sharing its step with the others' decodes)
-    generate what each generates alone in a fresh engine.
+    """In bfloat16 on a CPU a layer's norms, rotary, SiLU and decode attention run as compiled kernels
+    (``shared/cpu_kernels.c``, ``shared/cpu_attention.c``) that compute a row the same way whatever
+    its neighbours: six sequences admitted one step apart (each prefill sharing its step with the
+    others' decodes) generate what each generates alone in a fresh engine.
 
     NOTE: no preemption and no prefix hit here. In bfloat16 a recomputed or cache-hit prompt row
     goes through another attention path than a miss (decode attention, SDPA with a mask, SDPA

@@ -1,4 +1,4 @@
-"""Prefill attention in one C call (``mm_prefill_attention``, shared/cpu_kernels.c) in the engine:
+"""Prefill attention in one C call (``mm_prefill_attention``, shared/cpu_attention.c) in the engine:
 every prefill chunk takes it, and what comes out is what torch's SDPA path gives: the same greedy
 tokens in float32 for prompts alone, in chunks of 16 tokens and continued after a prefix hit; in
 bfloat16 the same prefill logits up to bfloat16 roundings."""
