@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoImageProcessor, AutoVideoProcessor
 from transformers.initialization import no_init_weights
 
-from mmcache.encoder_stage import vision_attention, vision_rotary
+from mmcache.encoder_stage import tower_kernels, vision_attention, vision_rotary
 from mmcache.shared import cpu_kernels
 from mmcache.shared.checkpoint import ModelSpec, load_weights, vision_weight_name
 from mmcache.shared.family import load_class
@@ -77,9 +77,9 @@ class VisionTower:
         # bfloat16 or float32 on a CPU: the rotary embedding (the same bits) and the attention
         # through the compiled kernels.
         probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        kernels = cpu_kernels.usable(probe, dtypes=(torch.bfloat16, torch.float32))
-        installed = vision_rotary.install(spec.family.vision_class.split(":")[0])
-        self.kernels = kernels if installed else None
+        self.kernels = cpu_kernels.usable(probe, dtypes=(torch.bfloat16, torch.float32))
+        # NOTE: a family whose module has no rotary function keeps the compiled attention
+        vision_rotary.install(spec.family.vision_class.split(":")[0])
         self.image_processor = AutoImageProcessor.from_pretrained(spec.path)
         self.video_processor = AutoVideoProcessor.from_pretrained(spec.path)
         self.merge = config.spatial_merge_size
@@ -115,7 +115,7 @@ class VisionTower:
         patches = [p for p, _ in prepared]
         pixel_values = (patches[0] if len(patches) == 1 else torch.cat(patches)).to(self.dtype)
         grid_thw = torch.tensor([g for _, g in prepared], dtype=torch.long, device=self.device)
-        with vision_rotary.active(self.kernels):
+        with tower_kernels.active(self.kernels):
             out = self.model(pixel_values, grid_thw=grid_thw)
         sets = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
         if len(sets) != self.feature_sets:

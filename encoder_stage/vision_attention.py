@@ -11,8 +11,8 @@ vector lanes instead (1.3-1.7x faster than SDPA for one 1024-patch image on one 
 
 :func:`register` adds it to transformers' attention functions as :data:`NAME`, which
 :class:`~.vision.VisionTower` names as its config's attention; it runs the kernel while
-:func:`mmcache.encoder_stage.vision_rotary.active` holds the kernels (inside the tower's own
-forward) and the shapes fit, and transformers' SDPA otherwise. A row's result depends only on its
+:func:`.tower_kernels.active` holds the kernels (inside the tower's own forward) and the
+shapes fit, and transformers' SDPA otherwise. A row's result depends only on its
 own item, so batching never changes an embedding (a cache hit returns the bits a miss computes).
 """
 
@@ -22,7 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mmcache.encoder_stage import vision_rotary
+from mmcache.encoder_stage import tower_kernels
 from mmcache.shared import cpu_kernels
 
 NAME = "mmcache_cpu"
@@ -41,7 +41,7 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query``/``key``/``value`` (1, heads, n, head_dim) of one
     item; (1, n, heads, head_dim) out, as SDPA's."""
-    lib = vision_rotary.kernels()
+    lib = tower_kernels.current()
     if lib is None or not fits(query, key, value, attention_mask, dropout, is_causal):
         options = {"scaling": scaling, "dropout": dropout, "is_causal": is_causal, **kwargs}
         return sdpa_attention_forward(module, query, key, value, attention_mask, **options)

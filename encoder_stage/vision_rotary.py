@@ -5,24 +5,21 @@ to float32, ``x * cos + rotate_half(x) * sin``, rounded back): eight eager opera
 copies per call, ~37 ms of the ~157 ms a 448² image takes through ``mid``'s tower in bfloat16 on a
 2-core Xeon. :func:`install` puts a wrapper in the module's place that runs
 :func:`mmcache.shared.cpu_kernels.rotate_vision` (the same operations in the same order, so the
-same bits) while :func:`active` holds the kernels, which only :class:`~.vision.VisionTower` sets
-around its own forward: any other model of that class in the process (a reference in a test)
-runs transformers' function untouched.
+same bits) while :func:`.tower_kernels.active` holds the kernels (the tower's own forward), the
+original elsewhere.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 
 import torch
 
+from mmcache.encoder_stage import tower_kernels
 from mmcache.shared import cpu_kernels
 
 NAME = "apply_rotary_pos_emb_vision"
-_ACTIVE: ContextVar[cpu_kernels.Kernels | None] = ContextVar("mmcache_vision_kernels", default=None)
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -31,7 +28,7 @@ def _wrap(original: Rotary) -> Rotary:
     def rotary(
         q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lib = _ACTIVE.get()
+        lib = tower_kernels.current()
         if lib is None or not _fits(q, k, cos, sin):
             return original(q, k, cos, sin)
         return cpu_kernels.rotate_vision(lib, q, cos, sin), cpu_kernels.rotate_vision(lib, k, cos, sin)
@@ -65,18 +62,3 @@ def install(module_name: str) -> bool:
     if not hasattr(current, "mmcache_original"):
         setattr(module, NAME, _wrap(current))
     return True
-
-
-def kernels() -> cpu_kernels.Kernels | None:
-    """The kernels :func:`active` holds here (None outside it): the vision attention reads them too."""
-    return _ACTIVE.get()
-
-
-@contextmanager
-def active(lib: cpu_kernels.Kernels | None) -> Iterator[None]:
-    """Run the wrapped functions through ``lib`` inside the block (None: the originals)."""
-    token = _ACTIVE.set(lib)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)

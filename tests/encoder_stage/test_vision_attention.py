@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mmcache.encoder_stage import vision_attention, vision_rotary
+from mmcache.encoder_stage import tower_kernels, vision_attention
 from mmcache.encoder_stage.vision import VisionInput, VisionTower
 from mmcache.shared import cpu_kernels
 from mmcache.shared.checkpoint import ModelSpec
@@ -60,7 +60,7 @@ def test_outside_our_forward_the_registered_attention_is_sdpa(tiny_models) -> No
     assert torch.equal(got, want)  # no kernels held: transformers' own
     lib = cpu_kernels.kernels()
     assert lib is not None
-    with vision_rotary.active(lib):
+    with tower_kernels.active(lib):
         inside, _ = vision_attention.attention(module, q, k, v, None, scaling=0.25)
         causal, _ = vision_attention.attention(module, q, k, v, None, scaling=0.25, is_causal=True)
     torch.testing.assert_close(inside, want, atol=1e-6, rtol=1e-5)

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from mmcache.encoder_stage import vision_rotary
+from mmcache.encoder_stage import tower_kernels, vision_rotary
 from mmcache.encoder_stage.vision import VisionInput, VisionTower
 from mmcache.shared import cpu_kernels
 from mmcache.shared.checkpoint import ModelSpec
@@ -66,7 +66,7 @@ def test_the_wrapper_is_the_reference_outside_our_forward_and_the_kernel_inside(
     expected = original(q, k, cos, sin)
     lib = cpu_kernels.kernels()
     assert lib is not None
-    with vision_rotary.active(lib):
+    with tower_kernels.active(lib):
         inside = wrapped(q, k, cos, sin)
         float_q = wrapped(q.float(), k.float(), cos, sin)
         half_q = wrapped(q.half(), k.half(), cos, sin)  # not a type the kernel takes: the reference
@@ -74,4 +74,4 @@ def test_the_wrapper_is_the_reference_outside_our_forward_and_the_kernel_inside(
         assert torch.equal(got, want)
     for args, got in (((q.float(), k.float()), float_q), ((q.half(), k.half()), half_q)):
         assert all(torch.equal(a, b) for a, b in zip(got, original(*args, cos, sin), strict=True))
-    assert vision_rotary._ACTIVE.get() is None  # the block restored the reference for everyone else
+    assert tower_kernels.current() is None  # the block restored the reference for everyone else
