@@ -90,7 +90,7 @@ def per_replica(metrics: dict[str, Samples], name: str, addresses: list[str]) ->
 def test_chunks_shard_across_encoders_and_prefixes_route_back(stack):
     model = "qwen2-vl"
     bodies = []
-    # NOTE: each replica tier picks by rendezvous over ids that hold a random socket directory, so
+    # NOTE: each replica tier picks by rendezvous over addresses on free ports picked at random, so
     # n distinct prompts all land on one of two replicas with chance 2**(1 - n): 1 in 128 for the
     # 8 this test sent at first (a CI run saw LLM queries [0, 1488]); 1 in 8 million for 24.
     n = 24
