@@ -34,7 +34,7 @@ def _fits(w: LayerWeights, shape: StackShape, eps: float, silu: bool) -> bool:
     projections = (w.qkv, w.o, w.gate_up, w.down)
     if not silu or w.qk_norm is not None or w.moe is not None or w.eps != eps:
         return False
-    if not all(p is not None and p.kernels for p in projections):
+    if not all(p is not None and p.kind == "onednn" and p.kernels for p in projections):
         return False
     attn = shape.heads * shape.head_dim
     want = [

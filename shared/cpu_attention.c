@@ -287,11 +287,11 @@ DEFINE_DECODE_ATTENTION(mm_decode_attention_f32, float, attend_head_f32)
 #define PREFILL_QUERIES 4 /* query rows of one head scored and summed together */
 
 /* Loaded once, used by four products: without this gcc folds the load into each product (one
- * 64-byte load a multiply, where the loads, not the arithmetic, then bound the loop). */
-#if defined(__GNUC__) && defined(__x86_64__)
+ * 64-byte load a multiply, where the loads, not the arithmetic, then bound the loop). Only where
+ * LANES floats fit one register (AVX-512): elsewhere no register holds them, and the constraint
+ * would stop the source from compiling. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX512F__)
 #define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
-#elif defined(__GNUC__) && defined(__aarch64__)
-#define KEEP_IN_REGISTER(x) __asm__("" : "+w"(x))
 #else
 #define KEEP_IN_REGISTER(x) (void)(x)
 #endif

@@ -40,10 +40,17 @@ import torch
 log = logging.getLogger(__name__)
 
 # The small operators (``cpu_kernels.c``), attention (``cpu_attention.c``), the few-row weight
-# product (``cpu_packed.c``, used by shared/linear.py), the helper threads they share
-# (``cpu_pool.c``), and a decode step's layers built of them (``cpu_layers.c``, used by
-# shared/cpu_layers.py).
-_SOURCE_NAMES = ("cpu_kernels.c", "cpu_attention.c", "cpu_packed.c", "cpu_pool.c", "cpu_layers.c")
+# product (``cpu_packed.c``, used by shared/linear.py), the float16-weight product
+# (``cpu_half.c``, likewise), the helper threads they share (``cpu_pool.c``), and a decode step's
+# layers built of them (``cpu_layers.c``, used by shared/cpu_layers.py).
+_SOURCE_NAMES = (
+    "cpu_kernels.c",
+    "cpu_attention.c",
+    "cpu_packed.c",
+    "cpu_half.c",
+    "cpu_pool.c",
+    "cpu_layers.c",
+)
 SOURCES = [Path(__file__).with_name(name) for name in _SOURCE_NAMES]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_ops.h", "cpu_lanes.h")]
 FLAGS = [
@@ -52,6 +59,7 @@ FLAGS = [
     "-ffp-contract=off",  # no fused multiply-adds (but in the attention kernels that ask for them)
     "-fno-math-errno",
     "-fno-trapping-math",  # lets gcc vectorise floorf (the exp's range reduction)
+    "-Wno-psabi",  # 64-byte vectors on a CPU without AVX-512: only static functions pass them
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -65,6 +73,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # q, q_stride, k, k_stride, v, v_stride, block_size, table, rows, start, out, heads, kv_heads, head_dim, scale
 _PREFILL = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _f32]
 _PACKED_ISAS = ("", "avx512-bf16", "amx")  # mm_packed_isa's answers
+_HALF_ISAS = ("", "avx2", "avx512f")  # mm_half_isa's answers
 _VISION = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr]
 _SIGNATURES = {
     "mm_rms_norm": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
@@ -82,6 +91,7 @@ _SIGNATURES = {
     "mm_vision_attention": _VISION,
     "mm_vision_attention_f32": _VISION,
     "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
+    "mm_half_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _f32, _ptr, _ptr, _ptr],
     "mm_decode_layers": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
 }
 
@@ -155,10 +165,11 @@ class Kernels:
         self.vision_attention = lib.mm_vision_attention
         self.vision_attention_f32 = lib.mm_vision_attention_f32
         self.packed_product = lib.mm_packed_product
+        self.half_product = lib.mm_half_product  # cpu_half.c
         self.decode_layers = lib.mm_decode_layers  # cpu_layers.c
         lib.mm_decode_scratch.argtypes, lib.mm_decode_scratch.restype = [_ptr, _i64], _i64
         self.decode_scratch = lib.mm_decode_scratch
-        lib.mm_packed_isa.restype = lib.mm_pool_start.restype = ctypes.c_int
+        lib.mm_packed_isa.restype = lib.mm_half_isa.restype = lib.mm_pool_start.restype = ctypes.c_int
         lib.mm_pool_start.argtypes = [_i64]
         lib.mm_pool_rest.argtypes, lib.mm_pool_rest.restype = [], None
         lib.mm_pool_sleeping.argtypes, lib.mm_pool_sleeping.restype = [], ctypes.c_int64
@@ -169,6 +180,7 @@ class Kernels:
         # NOTE: asks the kernel for the tile registers (once a process; oneDNN asks too, where it
         # uses them). "" where the library was built for neither instruction set.
         self.packed_isa = _PACKED_ISAS[lib.mm_packed_isa()]  # which one packed_product runs on
+        self.half_isa = _HALF_ISAS[lib.mm_half_isa()]  # which one half_product runs on ("": neither)
         self.path = path
 
     def start_helpers(self) -> bool:
@@ -356,4 +368,47 @@ def packed_product(
         out.data_ptr(),
         chunk,
     )
+    return out
+
+
+HALF_PANEL = 16  # outputs a panel of mm_half_product's weight layout holds
+
+
+def half_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (n, k), values float16 holds exactly, n a multiple of HALF_PANEL, in
+    ``cpu_half.c``'s layout: (n / 16, k, 16) float16, contiguous."""
+    n, k = weight.shape
+    assert n % HALF_PANEL == 0
+    return weight.to(torch.float16).view(n // HALF_PANEL, HALF_PANEL, k).transpose(1, 2).contiguous()
+
+
+def half_product(
+    lib: Kernels,
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    scale: float = 1.0,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(x @ W.T) * scale + bias + residual`` in float32 for rows ``x`` (rows, k) float32 with its
+    last dimension contiguous, ``panels`` = :func:`half_panels` of ``W`` (n, k); ``bias`` (n,) and
+    ``residual`` (rows, n) contiguous float32 or None. Every output one multiply-add chain over the
+    inputs in order: a row's result is the same whatever the rows beside it."""
+    rows, k = x.shape
+    n = panels.shape[0] * HALF_PANEL
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and panels.shape[1] == k
+    out = torch.empty((rows, n), dtype=torch.float32)
+    if rows:
+        lib.half_product(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            panels.data_ptr(),
+            n,
+            k,
+            scale,
+            None if bias is None else bias.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+        )
     return out

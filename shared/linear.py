@@ -30,7 +30,13 @@ Two layouts, each chosen only where it computes what the checkpoint says:
   value has 8 significant bits, float16 11 but a narrower exponent range, so the weight is scaled
   by a power of two first (exact) and the output scaled back (exact); a weight with any value that
   would not survive the round trip stays dense float32. The sums run in another order than MKL's
-  (differences at float32's rounding, as between any two float32 kernels).
+  (differences at float32's rounding, as between any two float32 kernels). Where the compiled
+  kernels run (AVX2 with F16C, or AVX-512), ``cpu_half.c`` takes the float16 weight instead of
+  FBGEMM, for any number of rows: FBGEMM rounds a row otherwise beside other rows than alone (a
+  row's output changes with its batch; measured on AMD EPYC Zen 3 for 2 to 64 rows), and reads a
+  decode step's weights below the machine's read rate. ``cpu_half.c`` sums every output in one
+  order whatever the rows (a batch never changes a row), the scale, bias and residual joined on
+  the way out.
 """
 
 from __future__ import annotations
@@ -84,10 +90,20 @@ def packing_supported(weight: torch.Tensor) -> bool:
 
 
 def half_supported(weight: torch.Tensor) -> bool:
-    """Whether float32 ``weight`` may run through FBGEMM's float16-weight product here."""
+    """Whether float32 ``weight`` may run through a float16-weight product here (``cpu_half.c``
+    or FBGEMM's)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
         return False
-    return _HAS_HALF and "fbgemm" in torch.backends.quantized.supported_engines
+    fbgemm = _HAS_HALF and "fbgemm" in torch.backends.quantized.supported_engines
+    return fbgemm or _half_kernels(weight) is not None
+
+
+def _half_kernels(weight: torch.Tensor) -> cpu_kernels.Kernels | None:
+    """The kernels, where ``cpu_half.c`` multiplies by ``weight`` (its outputs in whole panels)."""
+    lib = cpu_kernels.kernels()
+    if lib is None or not lib.half_isa or weight.shape[0] % cpu_kernels.HALF_PANEL or not lib.start_helpers():
+        return None
+    return lib
 
 
 def half_scaled(weight: torch.Tensor) -> tuple[int, torch.Tensor] | None:
@@ -130,7 +146,7 @@ class Projection:
         self.out_features, self.in_features = weight.shape if weight.dim() == 2 else (0, 0)
         self.kind = "dense"
         self.half_scale = 0
-        self.kernels: cpu_kernels.Kernels | None = None  # few-row products (cpu_packed.c)
+        self.kernels: cpu_kernels.Kernels | None = None  # few-row products (cpu_packed.c), or cpu_half.c
         self.packed_address = 0  # the packed weight's address, for them
         self.packed_chunks = (0, 0)  # their partial-sum lengths, one row and more (cpu_packed.c)
         if packing_supported(weight):
@@ -143,8 +159,13 @@ class Projection:
                     self.packed_address = int(_PACKED_ADDRESS(packed))
         elif half and half_supported(weight) and (fits := half_scaled(weight)) is not None:
             self.half_scale, scaled = fits
-            self.weight = torch.ops.quantized.linear_prepack_fp16(scaled, None)
             self.kind, self.nbytes = "fp16", self.numel * 2
+            self.kernels = _half_kernels(weight)
+            if self.kernels is not None:  # cpu_half.c's panels
+                self.weight = cpu_kernels.half_panels(scaled)
+                self.bias = None if bias is None else bias.float().contiguous()
+            else:
+                self.weight = torch.ops.quantized.linear_prepack_fp16(scaled, None)
 
     @property
     def packed(self) -> bool:
@@ -156,6 +177,19 @@ class Projection:
         """What :meth:`prescaled` wants its input multiplied by (a power of two; 1.0 for the
         layouts that need none)."""
         return 2.0**-self.half_scale
+
+    def _half(self, x: torch.Tensor, scale: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``cpu_half.c``'s product: ``(x @ W.T) * scale + bias + residual``, rows in any number."""
+        assert self.kernels is not None
+        flat = x.reshape(-1, self.in_features)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        if residual is not None:
+            residual = residual.reshape(-1, self.out_features).contiguous()
+        out = cpu_kernels.half_product(self.kernels, flat, self.weight, scale, self.bias, residual)
+        if len(flat) > cpu_kernels.PACKED_ROWS:  # a prefill: torch's threaded operators come next
+            cpu_kernels.rest_helpers()
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _few_rows(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes to ``cpu_packed.c`` (else to a kernel with OpenMP threads, before which
@@ -177,6 +211,8 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind != "fp16" or not self.half_scale:
             return self.prescaled(x)
+        if self.kernels is not None:
+            return self._half(x, self.input_scale)
         cpu_kernels.rest_helpers()
         out = _HALF_PRODUCT(x, self.weight).mul_(self.input_scale)
         return out if self.bias is None else out.add_(self.bias)
@@ -188,6 +224,8 @@ class Projection:
         NOTE: exact, not approximate: a power of two commutes with every rounding (away from
         float32's subnormals), so the sums equal those of the unscaled input and scaled output.
         """
+        if self.kind == "fp16" and self.kernels is not None:
+            return self._half(x, 1.0)
         if self._few_rows(x):
             return self._packed(x)
         if self.kind == "onednn":
@@ -208,6 +246,8 @@ class Projection:
             if self._few_rows(x):
                 return self._packed(x, residual)
             return _ONEDNN_BINARY(x, residual, self.weight, self.bias, "add")
+        if self.kind == "fp16" and self.kernels is not None:
+            return self._half(x, self.input_scale, residual)
         cpu_kernels.rest_helpers()
         if self.kind != "fp16" or self.bias is not None:
             return residual + self(x)
