@@ -3,7 +3,8 @@
 :meth:`CpuDecode.run` takes the place of :class:`~mmcache.llm_stage.model_runner.ModelRunner`'s
 layer loop for a step whose rows each decode one token (no prefill chunk, no media rows) and that
 fits the packed kernel's rows. A layer qualifies when each of its four projections is packed for
-``cpu_packed.c``, its MLP is dense SiLU and it has no q/k norms; runs of qualifying layers go to C,
+``cpu_packed.c`` (bfloat16) or on ``cpu_half.c``'s float16 weights (float32), only the q/k/v
+projection has a bias, its MLP is dense SiLU and it has no q/k norms; runs of qualifying layers go to C,
 any other layer to the Python layer (so a layer whose weight the load-time probe kept on oneDNN
 costs only itself). Same operators, same order: the same bits as the loop.
 """
@@ -28,13 +29,19 @@ _Layer = Callable[[int, torch.Tensor], torch.Tensor]
 _Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-def _fits(w: LayerWeights, shape: StackShape, eps: float, silu: bool) -> bool:
+# the projections' layout each step type's C layers take
+_KIND = {torch.bfloat16: "onednn", torch.float32: "fp16"}
+
+
+def _fits(w: LayerWeights, shape: StackShape, eps: float, silu: bool, dtype: torch.dtype) -> bool:
     """Whether ``cpu_layers.c`` computes layer ``w`` as the loop does: its operators, and the
     shapes and norm epsilon ``eps`` that ``shape`` gives every layer."""
     projections = (w.qkv, w.o, w.gate_up, w.down)
     if not silu or w.qk_norm is not None or w.moe is not None or w.eps != eps:
         return False
-    if not all(p is not None and p.kind == "onednn" and p.kernels for p in projections):
+    if not all(p is not None and p.kind == _KIND[dtype] and p.kernels for p in projections):
+        return False
+    if any(p is not None and p.bias is not None for p in projections[1:]):
         return False
     attn = shape.heads * shape.head_dim
     want = [
@@ -56,7 +63,7 @@ class CpuDecode:
     @classmethod
     def build(cls, lm: TextLM, kv: KVCache, attention: object) -> CpuDecode | None:
         """None where no layer qualifies, or the step's attention or dtype is not the kernels'."""
-        lib = cpu_kernels.usable(kv.kv, lm.head_norm)
+        lib = cpu_kernels.usable(kv.kv, lm.head_norm, dtypes=tuple(_KIND))
         if lib is None or not isinstance(attention, SdpaBackend) or attention.kernels is None:
             return None
         silu = lm.config.hidden_act == "silu"
@@ -73,7 +80,7 @@ class CpuDecode:
             dense.eps,
             lm.scaling,
         )
-        fits = [_fits(w, shape, dense.eps, silu) for w in lm.fused]
+        fits = [_fits(w, shape, dense.eps, silu, kv.kv.dtype) for w in lm.fused]
         if not any(fits):
             return None
         structs, keep = [], []
@@ -87,17 +94,21 @@ class CpuDecode:
             cache = kv.kv[idx]
             assert cache.is_contiguous()
             keep += [*norms, cache] + ([bias] if bias is not None else [])
+            # bfloat16: oneDNN's packed weights; float32: cpu_half.c's panels, o and down scaled
+            # on the way out (q/k/v and gate/up have their scale in the norm before them)
+            half = kv.kv.dtype == torch.float32
+            weights = [p.weight.data_ptr() if half else p.packed_address for p in projections]
+            scales = (1.0, w.o.input_scale, 1.0, projections[3].input_scale) if half else (1.0,) * 4
             structs.append(
                 CLayer(
                     norms[0].data_ptr(),
                     norms[1].data_ptr(),
-                    w.qkv.packed_address,
+                    weights[0],
                     None if bias is None else bias.data_ptr(),
-                    w.o.packed_address,
-                    projections[2].packed_address,
-                    projections[3].packed_address,
+                    *weights[1:],
                     cache.data_ptr(),
                     tuple(tuple(p.packed_chunks) for p in projections),
+                    scales,
                 )
             )
         runs: _Runs = []

@@ -21,6 +21,7 @@
  */
 #include <stdint.h>
 
+#include "cpu_ops.h"
 #include "cpu_pool.h"
 
 #define PANEL 16     /* outputs a panel holds */

@@ -93,6 +93,7 @@ _SIGNATURES = {
     "mm_packed_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64],
     "mm_half_product": [_ptr, _i64, _i64, _ptr, _i64, _i64, _f32, _ptr, _ptr, _ptr],
     "mm_decode_layers": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+    "mm_decode_layers_f32": [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
 }
 
 
@@ -167,6 +168,7 @@ class Kernels:
         self.packed_product = lib.mm_packed_product
         self.half_product = lib.mm_half_product  # cpu_half.c
         self.decode_layers = lib.mm_decode_layers  # cpu_layers.c
+        self.decode_layers_f32 = lib.mm_decode_layers_f32  # (float32 rows, cpu_half.c's products)
         lib.mm_decode_scratch.argtypes, lib.mm_decode_scratch.restype = [_ptr, _i64], _i64
         self.decode_scratch = lib.mm_decode_scratch
         lib.mm_packed_isa.restype = lib.mm_half_isa.restype = lib.mm_pool_start.restype = ctypes.c_int

@@ -6,9 +6,9 @@ decode step on a 2-core CPU, while the kernels' helper thread waits. :class:`Dec
 range of layers in one call, through the same compiled functions in the same order on the same
 inputs: the result is the Python loop's bit for bit (a test holds the two equal).
 
-Only for what those functions cover: bfloat16, every projection packed for ``cpu_packed.c``, a
-dense SiLU MLP, no q/k norms, rows that each decode one token. The caller keeps its loop for the
-rest.
+Only for what those functions cover: bfloat16 with every projection packed for ``cpu_packed.c``,
+or float32 with every projection on ``cpu_half.c``'s float16 weights; a dense SiLU MLP, no q/k
+norms, rows that each decode one token. The caller keeps its loop for the rest.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class LayerWeights(ctypes.Structure):
         ("gate_up", _ptr),
         ("down", _ptr),
         ("cache", _ptr),
-        ("chunks", (_i64 * 2) * 4),  # partial-sum lengths of qkv, o, gate_up, down: one row, more
+        ("chunks", (_i64 * 2) * 4),  # bf16: partial-sum lengths of qkv, o, gate_up, down: one row, more
+        ("scales", ctypes.c_float * 4),  # float32: output scale of qkv, o, gate_up, down
     ]
 
 
@@ -56,7 +57,7 @@ class StackShape(ctypes.Structure):
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """What the step's rows attend with: rotary tables (rows, head_dim) bfloat16, the cache slot of
+    """What the step's rows attend with: rotary tables (rows, head_dim) of the step's type, the cache slot of
     each row's token, each row's block ids (rows * width) and context length, all int64."""
 
     cos: torch.Tensor
@@ -77,12 +78,15 @@ class DecodeLayers:
         self._keep = keep
 
     def run(self, first: int, last: int, hidden: torch.Tensor, rows: DecodeRows) -> None:
-        """Layers ``first .. last`` on ``hidden`` (rows, hidden) bfloat16, in place."""
+        """Layers ``first .. last`` on ``hidden`` (rows, hidden) bfloat16 or float32 (the layers'
+        type), in place."""
         n = hidden.shape[0]
-        assert hidden.is_contiguous() and hidden.dtype == torch.bfloat16 and 0 < n <= cpu_kernels.PACKED_ROWS
+        assert hidden.is_contiguous() and 0 < n <= cpu_kernels.PACKED_ROWS
         assert rows.cos.is_contiguous() and rows.folded_sin.is_contiguous() and rows.tables.shape[0] % n == 0
-        scratch = torch.empty(self.lib.decode_scratch(ctypes.byref(self.shape), n), dtype=torch.bfloat16)
-        self.lib.decode_layers(
+        assert rows.cos.dtype == hidden.dtype in (torch.bfloat16, torch.float32)
+        scratch = torch.empty(self.lib.decode_scratch(ctypes.byref(self.shape), n), dtype=hidden.dtype)
+        call = self.lib.decode_layers if hidden.dtype == torch.bfloat16 else self.lib.decode_layers_f32
+        call(
             ctypes.byref(self.shape),
             self.layers,
             first,

@@ -1,14 +1,20 @@
 """A decode-only step's layers in one C call (llm_stage/cpu_decode.py, shared/cpu_layers.c) compute
 what the Python layer loop computes, bit for bit: the same logits at every step, for one row and
-for several, with text and image prompts, and with layers split between C and the loop."""
+for several, with text and image prompts, and with layers split between C and the loop; in
+bfloat16 (oneDNN's packed weights) and in float32 (float16 weights, ``cpu_half.c``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+
 import pytest
+import safetensors.torch
 import torch
 
 from mmcache.llm_stage.cpu_decode import CpuDecode
 from mmcache.shared import cpu_kernels
+from mmcache.shared.checkpoint import ModelSpec
 from mmcache.shared.cpu_layers import DecodeLayers
 from mmcache.shared.linear import packing_supported
 from mmcache.shared.messages import SamplingParams
@@ -16,7 +22,10 @@ from tests.llm_stage.test_engine import CONCURRENT, Env, build_env, make_engine,
 
 LIB = cpu_kernels.kernels()
 PACKED = LIB is not None and bool(LIB.packed_isa) and packing_supported(torch.empty(1, dtype=torch.bfloat16))
-pytestmark = pytest.mark.skipif(not PACKED, reason="needs AVX512-BF16 or AMX and the compiled kernels")
+needs_packed = pytest.mark.skipif(not PACKED, reason="needs AVX512-BF16 or AMX and the compiled kernels")
+needs_half = pytest.mark.skipif(
+    LIB is None or not LIB.half_isa, reason="needs AVX2 with F16C or AVX-512 and the compiled kernels"
+)
 
 
 @pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
@@ -24,9 +33,25 @@ def env(request, tiny_models) -> Env:
     return build_env(request.param, tiny_models)
 
 
-def _generate(env: Env, prompts, runs=None, use_c: bool = True) -> tuple[list[torch.Tensor], int, int]:
+@pytest.fixture(scope="module")
+def half_env(env: Env, tmp_path_factory) -> Env:
+    """``env``'s checkpoint with every weight rounded to a bfloat16 value, served in float32 (a
+    bfloat16 checkpoint on a CPU without bfloat16 instructions): its projections take
+    ``cpu_half.c``'s float16 weights."""
+    path = tmp_path_factory.mktemp(f"bf16-valued-{env.arch}")
+    shutil.copytree(env.path, path, dirs_exist_ok=True)
+    weights = path / "model.safetensors"
+    tensors = safetensors.torch.load_file(weights)
+    rounded = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in tensors.items() if v.is_floating_point()}
+    safetensors.torch.save_file({**tensors, **rounded}, weights, metadata={"format": "pt"})
+    return dataclasses.replace(env, path=path, spec=ModelSpec.load(path), cache={})
+
+
+def _generate(
+    env: Env, prompts, runs=None, use_c: bool = True, dtype: str = "bfloat16"
+) -> tuple[list[torch.Tensor], int, int]:
     """Every step's logits of the prompts run together; C calls made; decode-only steps."""
-    engine = make_engine(env, dtype="bfloat16")
+    engine = make_engine(env, dtype=dtype)
     runner = engine.runner
     assert runner.cpu_decode is not None
     if runs is not None:
@@ -62,6 +87,7 @@ def _generate(env: Env, prompts, runs=None, use_c: bool = True) -> tuple[list[to
     return logits, calls, decode_steps
 
 
+@needs_packed
 @pytest.mark.parametrize("count", [1, 3], ids=["one-row", "three-rows"])
 def test_c_layers_give_the_loops_logits_bit_for_bit(env: Env, count: int) -> None:
     prompts = [(make_prompt(env, text, images), n) for text, images, n in CONCURRENT[2 : 2 + count]]
@@ -71,6 +97,7 @@ def test_c_layers_give_the_loops_logits_bit_for_bit(env: Env, count: int) -> Non
     assert len(ours) == len(loop) and all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
 
 
+@needs_packed
 def test_layers_split_between_c_and_the_loop_give_the_same_logits(env: Env) -> None:
     prompts = [(make_prompt(env, text, images), n) for text, images, n in CONCURRENT[3:5]]
     layers = len(make_engine(env, dtype="bfloat16").lm.fused)
@@ -81,6 +108,7 @@ def test_layers_split_between_c_and_the_loop_give_the_same_logits(env: Env) -> N
     assert all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
 
 
+@needs_packed
 def test_layers_with_qk_norms_stay_in_the_loop(tiny_models) -> None:
     """Qwen3's per-head q/k norms are not among the C layer's operators: no layer qualifies."""
     qwen3 = build_env("qwen3-vl", tiny_models)
@@ -89,6 +117,7 @@ def test_layers_with_qk_norms_stay_in_the_loop(tiny_models) -> None:
     assert CpuDecode.build(engine.lm, engine.kv, engine.runner.attention) is None
 
 
+@needs_packed
 def test_a_layer_whose_projection_stayed_on_onednn_runs_in_the_loop(env: Env) -> None:
     """The load-time probe may keep a weight on oneDNN (no packed kernel): that layer alone leaves C."""
     engine = make_engine(env, dtype="bfloat16")
@@ -96,3 +125,32 @@ def test_a_layer_whose_projection_stayed_on_onednn_runs_in_the_loop(env: Env) ->
     engine.lm.fused[1].o.kernels = None
     built = CpuDecode.build(engine.lm, engine.kv, engine.runner.attention)
     assert built is not None and built.runs == [(0, 1, True), (1, 2, False), (2, layers, True)]
+
+
+@needs_half
+@pytest.mark.parametrize("count", [1, 3], ids=["one-row", "three-rows"])
+def test_float32_c_layers_on_half_weights_give_the_loops_logits(half_env: Env, count: int) -> None:
+    first = make_engine(half_env, dtype="float32").lm.fused[0]
+    assert all(p.kind == "fp16" and p.kernels is not None for p in (first.qkv, first.down))
+    prompts = [(make_prompt(half_env, text, images), n) for text, images, n in CONCURRENT[2 : 2 + count]]
+    ours, calls, decode_steps = _generate(half_env, prompts, dtype="float32")
+    loop, loop_calls, _ = _generate(half_env, prompts, use_c=False, dtype="float32")
+    assert decode_steps >= 5 and calls == decode_steps and loop_calls == 0  # every decode step ran in C
+    assert len(ours) == len(loop) and all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
+
+
+@needs_half
+def test_float32_layers_split_between_c_and_the_loop_give_the_same_logits(half_env: Env) -> None:
+    prompts = [(make_prompt(half_env, text, images), n) for text, images, n in CONCURRENT[3:5]]
+    layers = len(make_engine(half_env, dtype="float32").lm.fused)
+    split = [(0, 1, True), (1, layers - 1, False), (layers - 1, layers, True)]
+    ours, calls, decode_steps = _generate(half_env, prompts, runs=split, dtype="float32")
+    loop, _, _ = _generate(half_env, prompts, use_c=False, dtype="float32")
+    assert calls == 2 * decode_steps > 0
+    assert all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
+
+
+def test_float32_weights_float16_cannot_hold_keep_the_loop(env: Env) -> None:
+    """The tiny checkpoints' float32 weights are not float16 values: dense MKL products, no C layers."""
+    engine = make_engine(env, dtype="float32")
+    assert engine.lm.fused[0].qkv.kind == "dense" and engine.runner.cpu_decode is None
