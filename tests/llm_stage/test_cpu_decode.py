@@ -87,23 +87,41 @@ def _generate(
     return logits, calls, decode_steps
 
 
-@needs_packed
+# bfloat16 on oneDNN's packed weights; float32 on cpu_half.c's float16 weights (a checkpoint of
+# bfloat16 values: half_env)
+DTYPES = [
+    pytest.param("bfloat16", marks=needs_packed, id="bfloat16"),
+    pytest.param("float32", marks=needs_half, id="float32"),
+]
+
+
+def _env_for(request, env: Env, dtype: str) -> Env:
+    env = env if dtype == "bfloat16" else request.getfixturevalue("half_env")
+    first = make_engine(env, dtype=dtype).lm.fused[0]
+    kind = "onednn" if dtype == "bfloat16" else "fp16"
+    assert all(p.kind == kind and p.kernels is not None for p in (first.qkv, first.down))
+    return env
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("count", [1, 3], ids=["one-row", "three-rows"])
-def test_c_layers_give_the_loops_logits_bit_for_bit(env: Env, count: int) -> None:
+def test_c_layers_give_the_loops_logits_bit_for_bit(request, env: Env, dtype: str, count: int) -> None:
+    env = _env_for(request, env, dtype)
     prompts = [(make_prompt(env, text, images), n) for text, images, n in CONCURRENT[2 : 2 + count]]
-    ours, calls, decode_steps = _generate(env, prompts)
-    loop, loop_calls, _ = _generate(env, prompts, use_c=False)
+    ours, calls, decode_steps = _generate(env, prompts, dtype=dtype)
+    loop, loop_calls, _ = _generate(env, prompts, use_c=False, dtype=dtype)
     assert decode_steps >= 5 and calls == decode_steps and loop_calls == 0  # every decode step ran in C
     assert len(ours) == len(loop) and all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
 
 
-@needs_packed
-def test_layers_split_between_c_and_the_loop_give_the_same_logits(env: Env) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_split_between_c_and_the_loop_give_the_same_logits(request, env: Env, dtype: str) -> None:
+    env = _env_for(request, env, dtype)
     prompts = [(make_prompt(env, text, images), n) for text, images, n in CONCURRENT[3:5]]
-    layers = len(make_engine(env, dtype="bfloat16").lm.fused)
+    layers = len(make_engine(env, dtype=dtype).lm.fused)
     split = [(0, 1, True), (1, layers - 1, False), (layers - 1, layers, True)]
-    ours, calls, decode_steps = _generate(env, prompts, runs=split)
-    loop, _, _ = _generate(env, prompts, use_c=False)
+    ours, calls, decode_steps = _generate(env, prompts, runs=split, dtype=dtype)
+    loop, _, _ = _generate(env, prompts, use_c=False, dtype=dtype)
     assert calls == 2 * decode_steps > 0
     assert all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
 
@@ -125,29 +143,6 @@ def test_a_layer_whose_projection_stayed_on_onednn_runs_in_the_loop(env: Env) ->
     engine.lm.fused[1].o.kernels = None
     built = CpuDecode.build(engine.lm, engine.kv, engine.runner.attention)
     assert built is not None and built.runs == [(0, 1, True), (1, 2, False), (2, layers, True)]
-
-
-@needs_half
-@pytest.mark.parametrize("count", [1, 3], ids=["one-row", "three-rows"])
-def test_float32_c_layers_on_half_weights_give_the_loops_logits(half_env: Env, count: int) -> None:
-    first = make_engine(half_env, dtype="float32").lm.fused[0]
-    assert all(p.kind == "fp16" and p.kernels is not None for p in (first.qkv, first.down))
-    prompts = [(make_prompt(half_env, text, images), n) for text, images, n in CONCURRENT[2 : 2 + count]]
-    ours, calls, decode_steps = _generate(half_env, prompts, dtype="float32")
-    loop, loop_calls, _ = _generate(half_env, prompts, use_c=False, dtype="float32")
-    assert decode_steps >= 5 and calls == decode_steps and loop_calls == 0  # every decode step ran in C
-    assert len(ours) == len(loop) and all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
-
-
-@needs_half
-def test_float32_layers_split_between_c_and_the_loop_give_the_same_logits(half_env: Env) -> None:
-    prompts = [(make_prompt(half_env, text, images), n) for text, images, n in CONCURRENT[3:5]]
-    layers = len(make_engine(half_env, dtype="float32").lm.fused)
-    split = [(0, 1, True), (1, layers - 1, False), (layers - 1, layers, True)]
-    ours, calls, decode_steps = _generate(half_env, prompts, runs=split, dtype="float32")
-    loop, _, _ = _generate(half_env, prompts, use_c=False, dtype="float32")
-    assert calls == 2 * decode_steps > 0
-    assert all(torch.equal(a, b) for a, b in zip(ours, loop, strict=True))
 
 
 def test_float32_weights_float16_cannot_hold_keep_the_loop(env: Env) -> None:
