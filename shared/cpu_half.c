@@ -3,9 +3,9 @@
  * on the caller and the kernels' helper threads (cpu_pool.c).
  *
  * A decode step's time is the weights' bytes over the memory's speed: float16 weights are half the
- * bytes of float32 ones. FBGEMM's float16 product (inside torch) reads them at about half the
- * machine's read rate for one row on 2 cores, and rounds a row differently with the number of rows
- * beside it. This one streams each weight once at any row count, and sums every output the same
+ * bytes of float32 ones. FBGEMM's float16 product (inside torch) read them at ~14 GB/s for one row
+ * on a 2-core Intel Xeon whose float32 sum reads 23, and rounds a row differently with the number of
+ * rows beside it. This one streams each weight once at any row count, and sums every output the same
  * way whatever the rows: one float32 fused multiply-add chain over the inputs in input order,
  * started at zero, then times `scale` (a power of two: exact), plus the bias, plus the residual.
  * So a row's result never depends on its batch.
