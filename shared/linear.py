@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmcache.shared import cpu_kernels
+from mmcache.shared import cpu_half, cpu_kernels
 from mmcache.shared.torch_utils import cpu_has_bfloat16
 
 _PROBE_ROWS = 5  # rows of the load-time check (and one row alone: a kernel of its own)
@@ -101,7 +101,7 @@ def half_supported(weight: torch.Tensor) -> bool:
 def _half_kernels(weight: torch.Tensor) -> cpu_kernels.Kernels | None:
     """The kernels, where ``cpu_half.c`` multiplies by ``weight`` (its outputs in whole panels)."""
     lib = cpu_kernels.kernels()
-    if lib is None or not lib.half_isa or weight.shape[0] % cpu_kernels.HALF_PANEL or not lib.start_helpers():
+    if lib is None or not lib.half_isa or weight.shape[0] % cpu_half.HALF_PANEL or not lib.start_helpers():
         return None
     return lib
 
@@ -162,7 +162,7 @@ class Projection:
             self.kind, self.nbytes = "fp16", self.numel * 2
             self.kernels = _half_kernels(weight)
             if self.kernels is not None:  # cpu_half.c's panels
-                self.weight = cpu_kernels.half_panels(scaled)
+                self.weight = cpu_half.half_panels(scaled)
                 self.bias = None if bias is None else bias.float().contiguous()
             else:
                 self.weight = torch.ops.quantized.linear_prepack_fp16(scaled, None)
@@ -186,7 +186,7 @@ class Projection:
             flat = flat.contiguous()
         if residual is not None:
             residual = residual.reshape(-1, self.out_features).contiguous()
-        out = cpu_kernels.half_product(self.kernels, flat, self.weight, scale, self.bias, residual)
+        out = cpu_half.half_product(self.kernels, flat, self.weight, scale, self.bias, residual)
         if len(flat) > cpu_kernels.PACKED_ROWS:  # a prefill: torch's threaded operators come next
             cpu_kernels.rest_helpers()
         return out.view(*x.shape[:-1], self.out_features)

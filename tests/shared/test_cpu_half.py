@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmcache.shared import cpu_kernels
+from mmcache.shared import cpu_half, cpu_kernels
 from mmcache.shared.linear import Projection
 
 LIB = cpu_kernels.kernels()
@@ -33,7 +33,7 @@ def _case(n: int, k: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 def test_the_product_is_the_float32_product_of_the_weights(n, k):
     assert LIB is not None and LIB.start_helpers()
     weight, x = _case(n, k, 13, seed=n + k)
-    got = cpu_kernels.half_product(LIB, x, cpu_kernels.half_panels(weight))
+    got = cpu_half.half_product(LIB, x, cpu_half.half_panels(weight))
     exact = (x.double() @ weight.double().T).float()
     # float32 sums of k products: within a few roundings of the exact sum's magnitude
     bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T).float()
@@ -45,14 +45,14 @@ def test_the_product_is_the_float32_product_of_the_weights(n, k):
 def test_a_row_computes_the_same_bits_alone_and_in_any_batch(n, k):
     assert LIB is not None and LIB.start_helpers()
     weight, x = _case(n, k, 230, seed=3 * n + k)
-    panels = cpu_kernels.half_panels(weight)
-    whole = cpu_kernels.half_product(LIB, x, panels)
+    panels = cpu_half.half_panels(weight)
+    whole = cpu_half.half_product(LIB, x, panels)
     for start, rows in [(0, 1), (7, 1), (5, 2), (11, 5), (13, 6), (17, 7), (20, 64), (1, 97), (0, 229)]:
-        part = cpu_kernels.half_product(LIB, x[start : start + rows], panels)
+        part = cpu_half.half_product(LIB, x[start : start + rows], panels)
         assert torch.equal(part, whole[start : start + rows]), (start, rows)
     strided = torch.zeros(230, k + 8)
     strided[:, 3 : 3 + k] = x  # rows of a wider tensor: the stride is honoured
-    assert torch.equal(cpu_kernels.half_product(LIB, strided[:, 3 : 3 + k], panels), whole)
+    assert torch.equal(cpu_half.half_product(LIB, strided[:, 3 : 3 + k], panels), whole)
 
 
 def test_scale_bias_and_residual_join_in_order_as_separate_operators_would():
@@ -60,11 +60,11 @@ def test_scale_bias_and_residual_join_in_order_as_separate_operators_would():
     weight, x = _case(96, 200, 9, seed=5)
     gen = torch.Generator().manual_seed(6)
     bias, residual = torch.randn(96, generator=gen), torch.randn(9, 96, generator=gen)
-    panels = cpu_kernels.half_panels(weight)
-    plain = cpu_kernels.half_product(LIB, x, panels)
-    joined = cpu_kernels.half_product(LIB, x, panels, 0.25, bias, residual)
+    panels = cpu_half.half_panels(weight)
+    plain = cpu_half.half_product(LIB, x, panels)
+    joined = cpu_half.half_product(LIB, x, panels, 0.25, bias, residual)
     assert torch.equal(joined, residual + (plain * 0.25 + bias))
-    assert torch.equal(cpu_kernels.half_product(LIB, x, panels, 0.25), plain * 0.25)
+    assert torch.equal(cpu_half.half_product(LIB, x, panels, 0.25), plain * 0.25)
 
 
 def test_projections_of_bfloat16_values_in_float32_take_it_and_keep_rows_batch_invariant():
