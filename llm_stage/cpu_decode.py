@@ -84,6 +84,7 @@ class CpuDecode:
         if not any(fits):
             return None
         structs, keep = [], []
+        half = kv.kv.dtype == torch.float32  # cpu_half.c's panels, else oneDNN's packed weights
         for idx, w in enumerate(lm.fused):
             if not fits[idx]:
                 structs.append(CLayer())
@@ -96,7 +97,6 @@ class CpuDecode:
             keep += [*norms, cache] + ([bias] if bias is not None else [])
             # bfloat16: oneDNN's packed weights; float32: cpu_half.c's panels, o and down scaled
             # on the way out (q/k/v and gate/up have their scale in the norm before them)
-            half = kv.kv.dtype == torch.float32
             weights = [p.weight.data_ptr() if half else p.packed_address for p in projections]
             scales = (1.0, w.o.input_scale, 1.0, projections[3].input_scale) if half else (1.0,) * 4
             structs.append(
