@@ -32,6 +32,7 @@ from mmcache.llm_stage.live import LiveRequest, send_replies
 from mmcache.llm_stage.media_fetch import MediaFetcher, chunk_refs
 from mmcache.llm_stage.media_rows import RowSupply
 from mmcache.llm_stage.metrics import LLMMetrics
+from mmcache.llm_stage.replica_stats import replica_stats
 from mmcache.llm_stage.scheduler import StepOutput
 from mmcache.llm_stage.sequence import SeqStatus, Sequence
 from mmcache.llm_stage.validate import RequestError, validate, validate_probe
@@ -57,19 +58,6 @@ from mmcache.shared.rpc import Responder
 from mmcache.shared.service import replica_id, run_stage, with_metrics_server
 
 log = logging.getLogger(__name__)
-
-# stats() keys read from the KV tier's counters (``kv_store_<KVTierStats field>``)
-KV_TIER_COUNTERS = (
-    "kv_store_lookups",
-    "kv_store_skipped",
-    "kv_store_hit_blocks",
-    "kv_store_miss_blocks",
-    "kv_store_loaded_blocks",
-    "kv_store_bytes_in",
-    "kv_store_bytes_out",
-    "kv_store_written_blocks",
-    "kv_store_dropped_blocks",
-)
 
 
 class LLMService:
@@ -128,51 +116,8 @@ class LLMService:
 
     def stats(self) -> dict[str, int | float]:
         """This replica's numbers (read by the metrics thread: ints and lengths only)."""
-        blocks, fetch, scheduler = self.engine.blocks, self.fetcher.stats, self.engine.scheduler
-        total = len(blocks.blocks)
-        used = total - blocks.num_free_blocks
-        running = sum(1 for seq in scheduler.running if seq.status is SeqStatus.RUNNING)
-        return {
-            "prefix_queries": blocks.stats.queries,
-            "prefix_hits": blocks.stats.hits,
-            "evictions": blocks.stats.evictions,
-            "preemptions": scheduler.num_preemptions,
-            "steps": self.engine.num_steps,
-            "step_failures": self.engine.num_step_failures,
-            "healthy": int(self.healthy),
-            "pins": len(blocks.pins),
-            "free_blocks": total - used,
-            "used_blocks": used,
-            "kv_usage": used / total if total else 0.0,
-            "kv_bytes": used * self._block_bytes,
-            "kv_capacity_bytes": total * self._block_bytes,
-            "running": running,
-            "waiting": scheduler.num_unfinished - running,
-            "embedding_fetches": fetch.fetches,
-            "embedding_rows_fetched": fetch.rows,
-            "embedding_feature_rows_fetched": fetch.feature_rows,
-            "chunks_skipped": fetch.chunks_skipped,
-            "grammar_compiles": self.grammars.stats.compiles,
-            "grammar_cache_hits": self.grammars.stats.hits,
-            **self.engine.memory_info(),
-            **self._kv_tier_stats(),
-        }
-
-    def _kv_tier_stats(self) -> dict[str, Any]:
-        tier = self.engine.kv_tier
-        if tier is None:
-            return (
-                {"kv_store_enabled": 0, "kv_store_up": 0}
-                | dict.fromkeys(KV_TIER_COUNTERS, 0)
-                | {"kv_store_errors": {}}
-            )
-        stats = tier.stats
-        return {
-            "kv_store_enabled": 1,
-            "kv_store_up": int(tier.store.up),
-            **{key: getattr(stats, key.removeprefix("kv_store_")) for key in KV_TIER_COUNTERS},
-            "kv_store_errors": dict(stats.errors),
-        }
+        fetch, grammars = self.fetcher.stats, self.grammars.stats
+        return replica_stats(self.engine, fetch, grammars, self.healthy, self._block_bytes)
 
     def pong(self) -> Pong:
         info = {

@@ -13,7 +13,8 @@ from mmcache.processor.generation import Engine
 from mmcache.processor.request import parse_chat_request
 from mmcache.processor.response_store import ResponseStore
 from mmcache.processor.responses import Completion
-from mmcache.processor.responses_api import ResponseRender, parse_responses
+from mmcache.processor.responses_api import parse_responses
+from mmcache.processor.responses_render import ResponseRender
 
 Answer = Callable[[Any, Mapping[str, memoryview]], Awaitable[dict]]
 
