@@ -61,8 +61,9 @@ class VisionTower:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, spec.saved_dtype)
         config = AutoConfig.from_pretrained(spec.path).vision_config
-        # attention through the compiled kernel where it takes the shapes (vision_attention), else SDPA
-        config._attn_implementation = vision_attention.register()
+        # attention through the compiled kernel where it takes the shapes, or SDPA (vision_attention)
+        self.attention = vision_attention.implementation(self.device)
+        config._attn_implementation = self.attention
         with no_init_weights():
             model = load_class(spec.family.vision_class)._from_config(config, dtype=self.dtype)
         state = load_weights(spec.path, vision_weight_name)
@@ -85,7 +86,12 @@ class VisionTower:
         self.merge = config.spatial_merge_size
         self.feature_sets = spec.feature_sets
         self.fingerprint: Fingerprint = fingerprint(
-            "vision", [("weights", spec.weights_fingerprint.hex()), ("dtype", str(self.dtype))]
+            "vision",
+            [
+                ("weights", spec.weights_fingerprint.hex()),
+                ("dtype", str(self.dtype)),
+                ("attention", self.attention),  # the two round differently
+            ],
         )
 
     def patches(self, chunk: VisionInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
