@@ -6,8 +6,8 @@ runs flash attention whose score and value products are MKL matrix products with
 inner dimension: for the 16-wide heads of the default tiny checkpoint most of that time is the
 products' packing, and the attention was over half of a 448² image's tower time (2026-12-07, AMD
 EPYC). :func:`mmcache.shared.cpu_kernels.vision_attention` computes it with the rows of a block in
-vector lanes instead (1.3-1.7x faster than SDPA for one 1024-patch image on one thread, 16- and
-64-wide heads, bfloat16 and float32).
+vector lanes instead (on that AMD EPYC, 1.3-1.7x faster than SDPA for one 1024-patch image on one
+thread, 16- and 64-wide heads, bfloat16 and float32).
 
 :func:`register` adds it to transformers' attention functions as :data:`NAME`, which
 :class:`~.vision.VisionTower` names as its config's attention (:func:`implementation`); it runs the
