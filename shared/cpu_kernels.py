@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from mmcache.shared.torch_utils import cpuinfo_line
+
 log = logging.getLogger(__name__)
 
 # The small operators (``cpu_kernels.c``), attention (``cpu_attention.c``), the few-row weight
@@ -103,11 +105,8 @@ def _cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    line = cpuinfo_line("flags", "Features")
+    return platform.processor() if line is None else line
 
 
 def _compile(compiler: str) -> Path:

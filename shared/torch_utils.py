@@ -18,14 +18,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; "" where /proc/cpuinfo has none)."""
+def cpuinfo_line(*prefixes: str) -> str | None:
+    """The first line of /proc/cpuinfo that starts with one of ``prefixes`` ("" if none does; None
+    where there is no /proc/cpuinfo)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    line = next((line for line in text.splitlines() if line.startswith("vendor_id")), "")
-    return line.partition(":")[2].strip()
+        return None
+    return next((line for line in text.splitlines() if line.startswith(prefixes)), "")
+
+
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; "" where /proc/cpuinfo has none)."""
+    return (cpuinfo_line("vendor_id") or "").partition(":")[2].strip()
 
 
 def cpu_has_bfloat16() -> bool:
