@@ -32,6 +32,7 @@ from mmcache.processor.app_state import (
     check_model,
     first_reply,
     limited,
+    sse_body,
     sse_response,
     unknown_model,
 )
@@ -41,7 +42,7 @@ from mmcache.processor.choices import choices
 from mmcache.processor.cors import setup_cors
 from mmcache.processor.dispatch import Dispatcher
 from mmcache.processor.drain import Drain
-from mmcache.processor.errors import APIError, error_body, error_middleware
+from mmcache.processor.errors import APIError, error_middleware
 from mmcache.processor.files import FileStore
 from mmcache.processor.generation import Engine
 from mmcache.processor.http_fetch import HttpFetcher, parse_networks
@@ -54,7 +55,7 @@ from mmcache.processor.prompt import PromptBuilder
 from mmcache.processor.request import parse_chat_request
 from mmcache.processor.request_log import RECORD, RequestRecord, request_middleware
 from mmcache.processor.response_store import ResponseStore
-from mmcache.processor.responses import SSE_DONE, Completion, model_card, sse
+from mmcache.processor.responses import Completion, model_card, sse
 from mmcache.processor.stages import StageClients
 from mmcache.processor.tokenize import detokenize, tokenize
 from mmcache.shared.checkpoint import ModelSpec
@@ -250,8 +251,7 @@ async def _stream(
     resp = await sse_response(request)
     for choice in completion.choices:
         await sse(resp, completion.chunk(choice, {"role": "assistant", "content": ""}))
-    try:
-        record = request[RECORD]
+    async with sse_body(resp, generation, record):
         item = first
         while item is not None:
             choice = completion.choices[item[0]]
@@ -268,13 +268,6 @@ async def _stream(
             item = await anext(generation, None)
         if completion.req.include_usage:
             await sse(resp, completion.usage_chunk())
-    except APIError as exc:
-        request[RECORD].code = exc.code  # the status went out as 200 before the stage failed
-        await sse(resp, error_body(exc.status, exc.message, exc.code))
-    finally:
-        await generation.aclose()
-    await resp.write(SSE_DONE)
-    await resp.write_eof()
     return resp
 
 

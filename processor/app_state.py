@@ -1,24 +1,27 @@
 """What the processor's HTTP handlers share: the application's keys (its config, stage clients,
-engine, stores), the bound on requests in progress, the model check, and the first steps of a
-streamed answer (its first reply taken before the 200, the event-stream response)."""
+engine, stores), the bound on requests in progress, the model check, and the frame of a streamed
+answer (its first reply taken before the 200, the event-stream response, its errors and close)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from mmcache.processor.batch_jobs import BatchJobs
 from mmcache.processor.dispatch import Dispatcher
-from mmcache.processor.errors import APIError, bad_request
+from mmcache.processor.errors import APIError, bad_request, error_body
 from mmcache.processor.files import FileStore
 from mmcache.processor.generation import Engine
 from mmcache.processor.metrics import ProcessorMetrics
 from mmcache.processor.pipeline import Pipeline
 from mmcache.processor.priority import Interactive
+from mmcache.processor.request_log import RequestRecord
 from mmcache.processor.response_store import ResponseStore
+from mmcache.processor.responses import SSE_DONE, sse
 from mmcache.processor.stages import StageClients
 from mmcache.shared.config import ProcessorConfig
 from mmcache.shared.messages import GenerateReply
@@ -83,6 +86,26 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     return resp
+
+
+@contextlib.asynccontextmanager
+async def sse_body(
+    resp: web.StreamResponse,
+    generation: AsyncGenerator[tuple[int, GenerateReply], None],
+    record: RequestRecord,
+) -> AsyncIterator[None]:
+    """Around a streamed chat or text completion's chunks: a stage error inside becomes an error
+    event (the 200 is already out), the generation is closed whatever happens, and a stream that
+    ended, by its last reply or by that event, gets the closing ``[DONE]``."""
+    try:
+        yield
+    except APIError as exc:
+        record.code = exc.code  # the status went out as 200 before the stage failed
+        await sse(resp, error_body(exc.status, exc.message, exc.code))
+    finally:
+        await generation.aclose()
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
 
 
 def unknown_model(name: str, served: str, param: str | None) -> APIError:

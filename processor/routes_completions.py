@@ -6,12 +6,11 @@ import time
 
 from aiohttp import web
 
-from mmcache.processor.app_state import ENGINE, check_model, first_reply, sse_response
+from mmcache.processor.app_state import ENGINE, check_model, first_reply, sse_body, sse_response
 from mmcache.processor.body import load_body
 from mmcache.processor.completions import CompletionsAnswer, parse_completions
-from mmcache.processor.errors import APIError, error_body
 from mmcache.processor.request_log import RECORD, RequestRecord
-from mmcache.processor.responses import SSE_DONE, Completion, sse
+from mmcache.processor.responses import Completion, sse
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -43,7 +42,7 @@ async def _stream_completions(
     resp = await sse_response(request)
     record = request[RECORD]
     sent = [0] * len(completion.choices)  # logprob entries streamed, per choice
-    try:
+    async with sse_body(resp, generation, record):
         if answer.req.echo:
             prompt = request.app[ENGINE].tokenizer.decode(completion.prepared.token_ids)
             for choice in completion.choices:
@@ -70,13 +69,6 @@ async def _stream_completions(
             item = await anext(generation, None)
         if answer.req.chat.include_usage:
             await sse(resp, {**answer.chunk(0, "", None, None), "choices": [], "usage": answer.usage()})
-    except APIError as exc:
-        record.code = exc.code
-        await sse(resp, error_body(exc.status, exc.message, exc.code))
-    finally:
-        await generation.aclose()
-    await resp.write(SSE_DONE)
-    await resp.write_eof()
     return resp
 
 
