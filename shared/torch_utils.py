@@ -28,9 +28,10 @@ def cpuinfo_line(*prefixes: str) -> str | None:
     return next((line for line in text.splitlines() if line.startswith(prefixes)), "")
 
 
-def cpu_vendor() -> str:
-    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; "" where /proc/cpuinfo has none)."""
-    return (cpuinfo_line("vendor_id") or "").partition(":")[2].strip()
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles that this process may use (torch's check: the instructions
+    and the operating system's leave)."""
+    return torch.cpu._is_amx_tile_supported()
 
 
 def cpu_has_bfloat16() -> bool:
