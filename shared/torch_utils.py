@@ -28,6 +28,11 @@ def cpuinfo_line(*prefixes: str) -> str | None:
     return next((line for line in text.splitlines() if line.startswith(prefixes)), "")
 
 
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``; "" where /proc/cpuinfo has none)."""
+    return (cpuinfo_line("vendor_id") or "").partition(":")[2].strip()
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles that this process may use (torch's check: the instructions
     and the operating system's leave)."""
@@ -43,6 +48,18 @@ def cpu_has_bfloat16() -> bool:
     """
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def bfloat16_products_pay() -> bool:
+    """Whether this CPU multiplies many-row matrices faster in bfloat16 than in float32.
+
+    On Intel's cores without AMX, AVX512-BF16's dot product (one a cycle) has the peak of two
+    float32 FMAs, and oneDNN's bfloat16 kernel ran below MKL's float32 one: on a 2-core Intel Xeon
+    with AVX512-BF16 and no AMX (2026-12-07), 0.14-0.16 against 0.21-0.26 TFLOP/s at 316-2048 rows of
+    ``mid``'s shapes. With AMX bfloat16 is the faster by far; on other CPUs with AVX512-BF16 (AMD's
+    Zen 4) it is assumed to pay, as it did before this was measured (not compared there).
+    """
+    return cpu_has_bfloat16() and (cpu_has_amx() or cpu_vendor() != "GenuineIntel")
 
 
 def resolve_dtype(name: str, device: torch.device, saved: str = "") -> torch.dtype:
