@@ -15,13 +15,14 @@ kernel while :func:`.tower_kernels.active` holds the kernels (inside the tower's
 the shapes fit, and transformers' SDPA otherwise. A row's result depends only on its
 own item, so batching never changes an embedding (a cache hit returns the bits a miss computes).
 
-On a CPU with AMX the tower names SDPA instead: there torch's flash attention multiplies through
-oneDNN's AMX tiles (bfloat16) and MKL. On a 2-core Intel Xeon with AMX (2026-12-07), one 1024-patch
-item of ``mid``'s 10 heads of 64, two threads: SDPA 5.2-5.5 ms against the kernel's 19.7-20.5 in
-bfloat16, 13.5-14.0 against 18.4-19.6 in float32; the tiny tower's 4 heads of 16, one thread: 3.2
-against 4.2 ms (bfloat16), 4.0 against 4.0 (float32). Being Intel's is not what decides it: on a
-2-core Intel Xeon with AVX512-BF16 and no AMX (2026-12-07) the kernel won, 21 against 39-42 ms
-(bfloat16, 10x64, two threads), 23-24 against 29-30 (float32).
+On an Intel CPU the tower names SDPA instead: there torch's flash attention multiplies through
+oneDNN and MKL, which are tuned for it (AMX tiles in bfloat16). On a 2-core Intel Xeon with AMX
+(2026-12-07), one 1024-patch item of ``mid``'s 10 heads of 64, two threads: SDPA 5.2-5.5 ms
+against the kernel's 19.7-20.5 in bfloat16, 13.5-14.0 against 18.4-19.6 in float32; the tiny
+tower's 4 heads of 16, one thread: 3.2 against 4.2 ms (bfloat16), 4.0 against 4.0 (float32). On a
+2-core Intel Xeon with AVX512-BF16 and no AMX (2026-12-07): SDPA 15.0 against 20.4-21.7 ms in
+float32, the dtype a bfloat16 checkpoint's tower computes in there (:mod:`.vision`); in bfloat16
+the kernel was the faster, 18.2-19.2 against 21.5.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mmcache.encoder_stage import tower_kernels
 from mmcache.shared import cpu_kernels
-from mmcache.shared.torch_utils import cpu_has_amx
+from mmcache.shared.torch_utils import cpu_vendor
 
 NAME = "mmcache_cpu"
 SDPA = "sdpa"  # transformers' name for torch's scaled_dot_product_attention
@@ -84,12 +85,12 @@ def fits(
     )
 
 
-def implementation(device: torch.device, amx: bool | None = None) -> str:
+def implementation(device: torch.device, vendor: str | None = None) -> str:
     """The attention a tower on ``device`` names in its config: the kernel (:data:`NAME`,
-    registered) on a CPU without AMX (``amx``: whether it has it, this machine's by default),
-    :data:`SDPA` on a CPU with AMX or a GPU. Decided by the machine, not by timing, so every
-    replica on one kind of machine computes the same embeddings."""
-    if device.type != "cpu" or (cpu_has_amx() if amx is None else amx):
+    registered) on a CPU other than Intel's (``vendor``: its ``vendor_id``, this machine's by
+    default), :data:`SDPA` on an Intel CPU or a GPU. Decided by the machine, not by timing, so
+    every replica on one kind of machine computes the same embeddings."""
+    if device.type != "cpu" or (cpu_vendor() if vendor is None else vendor) == "GenuineIntel":
         return SDPA
     return register()
 

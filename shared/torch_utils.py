@@ -54,10 +54,11 @@ def bfloat16_products_pay() -> bool:
     """Whether this CPU multiplies many-row matrices faster in bfloat16 than in float32.
 
     On Intel's cores without AMX, AVX512-BF16's dot product (one a cycle) has the peak of two
-    float32 FMAs, and oneDNN's bfloat16 kernel ran below MKL's float32 one: on a 2-core Intel Xeon
-    with AVX512-BF16 and no AMX (2026-12-07), 0.14-0.16 against 0.21-0.26 TFLOP/s at 316-2048 rows of
-    ``mid``'s shapes. With AMX bfloat16 is the faster by far; on other CPUs with AVX512-BF16 (AMD's
-    Zen 4) it is assumed to pay, as it did before this was measured (not compared there).
+    float32 FMAs, and oneDNN's bfloat16 kernel mostly ran below MKL's float32 one: on a 2-core Intel
+    Xeon with AVX512-BF16 and no AMX (2026-12-07), 316-2048 rows of ``mid``'s shapes, 0.075-0.164
+    against 0.148-0.258 TFLOP/s (bfloat16 ahead only on the 4864-deep product at 316-512 rows). With
+    AMX bfloat16 is the faster by far; on other CPUs with AVX512-BF16 (AMD's Zen 4) it is assumed
+    to pay, as it did before this was measured (not compared there).
     """
     return cpu_has_bfloat16() and (cpu_has_amx() or cpu_vendor() != "GenuineIntel")
 

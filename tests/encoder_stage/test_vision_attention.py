@@ -1,6 +1,6 @@
 """The vision towers' attention through the compiled kernel: taken inside our tower's forward for
-every family on a CPU without AMX, within float32 roundings of SDPA's, and SDPA everywhere else
-(CPUs with AMX, GPUs, outside our forward)."""
+every family on a CPU that is not Intel's, within float32 roundings of SDPA's, and SDPA everywhere
+else (Intel CPUs, GPUs, outside our forward)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _pixels(seed: int, height: int = 224, width: int = 448) -> VisionInput:
 def test_every_family_takes_the_kernel_and_stays_within_sdpa_roundings(
     tiny_models, arch: str, dtype: str, monkeypatch
 ) -> None:
-    monkeypatch.setattr(vision_attention, "cpu_has_amx", lambda: False)  # whatever runs the suite
+    monkeypatch.setattr(vision_attention, "cpu_vendor", lambda: "AuthenticAMD")  # whatever runs the suite
     tower = VisionTower(ModelSpec.load(tiny_models[arch]), device="cpu", dtype=dtype)
     assert tower.model.config._attn_implementation == vision_attention.NAME
     calls = []
@@ -51,25 +51,26 @@ def test_every_family_takes_the_kernel_and_stays_within_sdpa_roundings(
             assert (got.float() - want.float()).abs().max().item() <= 0.05 * want.float().abs().max().item()
 
 
-def test_cpus_with_amx_and_gpus_name_sdpa_and_the_fingerprint_says_which(tiny_models, monkeypatch) -> None:
+def test_intel_cpus_and_gpus_name_sdpa_and_the_fingerprint_says_which(tiny_models, monkeypatch) -> None:
     cpu = torch.device("cpu")
-    assert vision_attention.implementation(cpu, amx=True) == vision_attention.SDPA
-    assert vision_attention.implementation(cpu, amx=False) == vision_attention.NAME
-    assert vision_attention.implementation(torch.device("cuda"), amx=False) == vision_attention.SDPA
+    assert vision_attention.implementation(cpu, "GenuineIntel") == vision_attention.SDPA
+    assert vision_attention.implementation(cpu, "AuthenticAMD") == vision_attention.NAME
+    assert vision_attention.implementation(cpu, "") == vision_attention.NAME  # no vendor_id (aarch64)
+    assert vision_attention.implementation(torch.device("cuda"), "AuthenticAMD") == vision_attention.SDPA
     spec = ModelSpec.load(tiny_models["qwen2-vl"])
     calls = []
     monkeypatch.setattr(cpu_kernels, "vision_attention", lambda *args: calls.append(args))
     fingerprints = {}
-    for amx in (True, False):
-        monkeypatch.setattr(vision_attention, "cpu_has_amx", lambda amx=amx: amx)
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(vision_attention, "cpu_vendor", lambda vendor=vendor: vendor)
         tower = VisionTower(spec, device="cpu", dtype="float32")
-        fingerprints[amx] = tower.fingerprint
-        if amx:
+        fingerprints[vendor] = tower.fingerprint
+        if vendor == "GenuineIntel":
             assert tower.model.config._attn_implementation == vision_attention.SDPA
             tower.encode([_pixels(3)])
             assert not calls  # never the kernel
     # the two compute different roundings: their embeddings are cached apart
-    assert fingerprints[True] != fingerprints[False]
+    assert fingerprints["GenuineIntel"] != fingerprints["AuthenticAMD"]
 
 
 def test_outside_our_forward_the_registered_attention_is_sdpa(tiny_models) -> None:
