@@ -107,8 +107,9 @@ LOG_FORMAT_HELP = "log format: text, or json (one object per line)"
 LOG_FORMATS = ("text", "json")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flashinfer")
 DTYPE_HELP = (
-    "weights dtype: auto (the checkpoint's; bfloat16 on a CPU only with native bfloat16, a float32 "
-    "checkpoint in bfloat16 on GPU), float32, bfloat16, float16"
+    "weights dtype: auto (the checkpoint's; bfloat16 on a CPU only with native bfloat16, and there "
+    "the vision tower in float32 where bfloat16 products are the slower (Intel without AMX); a "
+    "float32 checkpoint in bfloat16 on GPU), float32, bfloat16, float16"
 )
 MAX_CUDA_GRAPH_BATCH = 512  # each captured size holds its own graph: keep their number bounded
 
