@@ -60,10 +60,10 @@ class VisionTower:
         self.spec = spec
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device, spec.saved_dtype)
-        # what the features leave in: the tower's dtype, or the one ``auto`` gave where it computes
-        # in float32 instead (the rounding an LLM stage on ``auto`` makes to them anyway)
+        # ``auto`` on a CPU whose bfloat16 products are the slower (Intel's without AMX; a 448² image
+        # on `mid` there took 553-625 ms in float32, 806-821 in bfloat16): the tower computes in
+        # float32 and its features leave in bfloat16, the rounding an LLM stage on ``auto`` makes
         self.features_dtype = self.dtype
-        # (a 448² image on `mid`, Intel Xeon without AMX: 553-625 ms in float32, 806-821 in bfloat16)
         cpu_bf16 = self.dtype == torch.bfloat16 and self.device.type == "cpu"
         if dtype == "auto" and cpu_bf16 and not bfloat16_products_pay():
             self.dtype = torch.float32
