@@ -46,7 +46,7 @@ def cpu_has_bfloat16() -> bool:
     2-core Xeon a bfloat16 2048² matmul ran at 0.06 TFLOP/s (float32 ~0.15) and a 512-token prefill
     of ``mid`` took 7 s. So the instructions are asked for by name.
     """
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native = torch.cpu._is_avx512_bf16_supported() or cpu_has_amx()
     return native and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
